@@ -1,0 +1,23 @@
+"""hf_accel: one line to make a Hugging Face transformers model generate faster.
+
+Example::
+
+    import hf_accel
+    model = hf_accel.patch(model)          # then model.generate(...) as before
+    print(hf_accel.report(model))
+"""
+
+from .backends import Backend, Capabilities, PatchContext
+from .errors import BackendUnavailableError, PatchError, VerificationError
+from .features import FEATURE_NAMES, FEATURES
+from .hookspecs import hookimpl
+from .patching import BackendStatus, available_backends, patch, report, unpatch
+from .report import FeatureReport, PatchReport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend", "BackendStatus", "BackendUnavailableError", "Capabilities", "FEATURES", "FEATURE_NAMES",
+    "FeatureReport", "PatchContext", "PatchError", "PatchReport", "VerificationError", "available_backends",
+    "hookimpl", "patch", "report", "unpatch",
+]

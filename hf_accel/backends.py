@@ -1,0 +1,216 @@
+"""What a backend is, and the registry that collects them from plugins."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+
+import torch
+
+from .changes import Changes
+from .features import FEATURE_NAMES
+
+if TYPE_CHECKING:
+    import pluggy
+    from transformers import PreTrainedModel
+
+    from .report import FeatureReport
+    from .state import PatchState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can serve. The core checks these before calling the backend's own checks.
+
+    :param devices: device types it runs on (``"cpu"``, ``"cuda"``, ...); empty means any.
+    :param dtypes: parameter dtypes it accepts; empty means any.
+    :param sliding_window: whether it handles sliding-window attention layers.
+    :param softcap: whether it handles attention logit soft-capping.
+    """
+
+    devices: tuple[str, ...] = ()
+    dtypes: tuple[torch.dtype, ...] = ()
+    sliding_window: bool = True
+    softcap: bool = True
+
+
+@dataclass
+class PatchContext:
+    """Everything a backend sees while it is chosen and applied.
+
+    A backend records every edit it makes in ``changes`` so that patch() can undo it, and fills in
+    ``report`` (modules touched, bytes, details) as it goes.
+    """
+
+    model: PreTrainedModel
+    feature: str
+    request: Any
+    options: Mapping[str, Any]
+    state: PatchState
+    changes: Changes
+    report: FeatureReport
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.state.dtype
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """The user's ``patch(..., name=value)``, or ``default``."""
+        return self.options.get(name, default)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One way to provide a feature. Plugins create these and pass them to ``register``.
+
+    Example::
+
+        @hookimpl
+        def hf_accel_register_backends(register):
+            register(Backend(name="eager", feature="attention", apply=use_eager))
+
+    :param name: unique across all plugins; what users pass to force it (``attention="eager"``).
+    :param feature: which feature it provides (see ``hf_accel.FEATURES``).
+    :param apply: makes the change, recording every edit in ``context.changes``.
+    :param why_unavailable: returns why it cannot run on this machine (a missing package, no GPU), or None.
+    :param why_unsuitable: returns why it cannot serve this model, or None.
+    :param capabilities: devices, dtypes and model needs it serves, checked by the core.
+    :param priority: ``auto`` tries higher first.
+    :param lossless: False if outputs may change; ``auto`` then skips it unless the feature is opt-in.
+    :param tolerance: the verification bound for a lossy backend (relative logit error).
+    :param probe: how verification exercises it: a ``"forward"`` pass, a short greedy ``"generate"``, or not at all.
+    :param variants: other values of the feature that select it (``quantize="int8"``).
+    :param options: extra ``patch()`` keyword options it reads, with their defaults.
+    :param install: what to install when ``why_unavailable`` says something is missing.
+    """
+
+    name: str
+    feature: str
+    apply: Callable[[PatchContext], None]
+    why_unavailable: Callable[[], str | None] | None = None
+    why_unsuitable: Callable[[PatchContext], str | None] | None = None
+    capabilities: Capabilities = Capabilities()
+    priority: int = 0
+    lossless: bool = True
+    tolerance: float | None = None
+    probe: Literal["forward", "generate"] | None = "forward"
+    variants: tuple[str, ...] = ()
+    options: Mapping[str, Any] = field(default_factory=dict)
+    description: str = ""
+    install: str = ""
+    plugin: str = ""
+
+    def __post_init__(self) -> None:
+        if self.feature not in FEATURE_NAMES:
+            raise ValueError(
+                f"Backend {self.name!r} names unknown feature {self.feature!r}; valid: {', '.join(FEATURE_NAMES)}"
+            )
+
+    def __repr__(self) -> str:
+        return f"<Backend {self.name!r} feature={self.feature!r} plugin={self.plugin!r}>"
+
+    def machine_problem(self) -> str | None:
+        """Why this backend cannot run on this machine at all, or None."""
+        devices = self.capabilities.devices
+        if devices and not any(_device_present(d) for d in devices):
+            return f"needs a {' or '.join(devices)} device, none present"
+        reason = self.why_unavailable() if self.why_unavailable else None
+        if reason and self.install:
+            reason = f"{reason} (install: {self.install})"
+        return reason
+
+    def model_problem(self, context: PatchContext) -> str | None:
+        """Why this backend cannot serve ``context.model`` here, or None."""
+        reason = self.machine_problem()
+        if reason:
+            return reason
+        caps = self.capabilities
+        if caps.devices and context.device.type not in caps.devices:
+            return f"runs on {'/'.join(caps.devices)}, the model is on {context.device.type}"
+        if caps.dtypes and context.dtype not in caps.dtypes:
+            names = "/".join(str(d).removeprefix("torch.") for d in caps.dtypes)
+            return f"needs {names} weights, the model is {str(context.dtype).removeprefix('torch.')}"
+        needs = model_needs(context.model.config)
+        if needs["sliding_window"] and not caps.sliding_window:
+            return "does not support sliding-window attention, which this model uses"
+        if needs["softcap"] and not caps.softcap:
+            return "does not support attention logit soft-capping, which this model uses"
+        return self.why_unsuitable(context) if self.why_unsuitable else None
+
+
+def model_needs(config: Any) -> dict[str, bool]:
+    """The attention features a model's config asks for, read from the config's data, not its class."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    sliding = bool(getattr(config, "sliding_window", None)) and (
+        "sliding_attention" in layer_types or getattr(config, "use_sliding_window", True) is not False
+    )
+    return {
+        "sliding_window": sliding,
+        "softcap": getattr(config, "attn_logit_softcapping", None) is not None,
+    }
+
+
+def _device_present(device_type: str) -> bool:
+    if device_type == "cpu":
+        return True
+    module = getattr(torch, device_type, None)
+    return bool(module and getattr(module, "is_available", lambda: False)())
+
+
+class BackendRegistry:
+    """The backends all registered plugins offer, by name."""
+
+    def __init__(self, backends: Mapping[str, Backend]) -> None:
+        self._backends = dict(backends)
+
+    @classmethod
+    def collect(cls, pm: pluggy.PluginManager) -> BackendRegistry:
+        backends: dict[str, Backend] = {}
+        for impl in pm.hook.hf_accel_register_backends.get_hookimpls():
+
+            def register(backend: Backend, _plugin: str = impl.plugin_name) -> None:
+                if not isinstance(backend, Backend):
+                    raise TypeError(f"plugin {_plugin!r} registered {backend!r}; expected an hf_accel.Backend")
+                if backend.name in backends:
+                    other = backends[backend.name].plugin
+                    raise ValueError(
+                        f"Backend name {backend.name!r} is registered by both {other!r} and {_plugin!r}; "
+                        "disable one with HF_ACCEL_DISABLE_PLUGINS"
+                    )
+                backends[backend.name] = replace(backend, plugin=_plugin)
+
+            impl.function(register=register)
+        return cls(backends)
+
+    def __iter__(self):
+        return iter(self._backends.values())
+
+    def __len__(self) -> int:
+        return len(self._backends)
+
+    def get(self, name: str) -> Backend | None:
+        return self._backends.get(name)
+
+    def for_feature(self, feature: str) -> list[Backend]:
+        """This feature's backends, highest priority first."""
+        found = [b for b in self._backends.values() if b.feature == feature]
+        return sorted(found, key=lambda b: -b.priority)
+
+    def valid_requests(self, feature: str) -> list[str]:
+        """Every string a user may pass for this feature."""
+        values = {"auto"}
+        for backend in self.for_feature(feature):
+            values.add(backend.name)
+            values.update(backend.variants)
+        return sorted(values)
+
+    def option_names(self) -> set[str]:
+        return {name for backend in self for name in backend.options}
+

@@ -1,0 +1,80 @@
+"""A log of reversible edits to a model, undone in reverse order."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class Changes:
+    """Records each edit a backend makes so that it can be reverted, even when the backend fails half-way.
+
+    Example::
+
+        changes = Changes()
+        changes.setattr(model.config, "_attn_implementation_internal", "eager")
+        changes.undo()   # the config is as it was
+    """
+
+    def __init__(self) -> None:
+        self._undos: list[Callable[[], None]] = []
+        self.irreversible: str | None = None
+
+    def __len__(self) -> int:
+        return len(self._undos)
+
+    def __repr__(self) -> str:
+        return f"<Changes: {len(self)} edits>"
+
+    def on_undo(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when these changes are undone (after every later edit has been reverted)."""
+        self._undos.append(fn)
+
+    def setattr(self, obj: Any, name: str, value: Any) -> None:
+        """``setattr(obj, name, value)``, restoring the old value (or its absence) on undo."""
+        self._undos.append(_restorer(obj, name))
+        setattr(obj, name, value)
+
+    def set_submodule(self, parent: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace the child module ``parent.<name>``; the original comes back on undo."""
+        if name not in parent._modules:
+            raise KeyError(f"{type(parent).__name__} has no child module {name!r}")
+        self.setattr(parent, name, module)
+
+    def mark_irreversible(self, reason: str) -> None:
+        """Say that undoing cannot restore the model exactly (e.g. quantized weights without originals)."""
+        self.irreversible = reason
+
+    def undo(self) -> None:
+        """Revert every recorded edit, newest first. Keeps going past a failing step, then re-raises it."""
+        first_error: BaseException | None = None
+        while self._undos:
+            try:
+                self._undos.pop()()
+            except BaseException as exc:  # noqa: BLE001 - keep restoring; report the first failure
+                logger.exception("hf_accel: an undo step failed")
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+
+_MISSING = object()
+
+
+def _restorer(obj: Any, name: str) -> Callable[[], None]:
+    if isinstance(obj, nn.Module) and any(name in d for d in (obj._modules, obj._parameters, obj._buffers)):
+        old = getattr(obj, name)
+        return lambda: setattr(obj, name, old)
+    old = vars(obj).get(name, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, name, _MISSING)
+    if old is _MISSING:
+        return lambda: _delete_if_present(obj, name)
+    return lambda: setattr(obj, name, old)
+
+
+def _delete_if_present(obj: Any, name: str) -> None:
+    if name in vars(obj):
+        delattr(obj, name)

@@ -1,0 +1,141 @@
+"""The ``hf-accel`` command: doctor, demo, generate."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import sys
+from typing import Sequence
+
+import torch
+
+from . import __version__, available_backends, patch, report
+from .models import ModelNotFoundError, load_default_model, load_model
+from .prompts import encode_chat, load_prompts
+from .timing import timed_generate
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (CLIError, ModelNotFoundError, ValueError) as exc:
+        print(f"hf-accel {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-accel", description="Make Hugging Face models generate faster.")
+    parser.add_argument("--version", action="version", version=f"hf_accel {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what hf_accel does")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    doctor = sub.add_parser("doctor", help="versions, devices, and every backend with whether it can run here")
+    doctor.set_defaults(func=cmd_doctor)
+
+    demo = sub.add_parser("demo", help="the default model, stock and patched, side by side")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--prompts", type=int, default=3, help="how many built-in prompts to run (default 3)")
+    demo.set_defaults(func=cmd_demo)
+
+    gen = sub.add_parser("generate", help="generate from one prompt, then print tokens/s and the report")
+    gen.add_argument("--prompt", required=True)
+    _add_model_arguments(gen)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--no-patch", action="store_true", help="run stock transformers")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a local model directory or .gguf file (default: embedded SmolLM2-135M)")
+    parser.add_argument("--gguf-file", help="the GGUF file inside --model")
+
+
+def _load(args: argparse.Namespace):
+    if args.model is None:
+        return load_default_model()
+    return load_model(args.model, gguf_file=args.gguf_file)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import transformers
+
+    print(f"hf_accel {__version__}  python {platform.python_version()}  torch {torch.__version__}  "
+          f"transformers {transformers.__version__}")
+    devices = ["cpu"] + [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]
+    print(f"devices: {', '.join(devices)}   threads: {torch.get_num_threads()}")
+    rows = [("feature", "backend", "plugin", "available", "why not")]
+    rows += [(b.feature, b.name, b.plugin, "yes" if b.available else "no", b.reason) for b in available_backends()]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    if args.max_new_tokens < 1 or args.prompts < 1:
+        raise CLIError("--max-new-tokens and --prompts must be at least 1")
+    print("Loading the default model (SmolLM2-135M-Instruct, fp32)...")
+    model, tokenizer = load_default_model()
+    prompts = _one_per_category(load_prompts())[: args.prompts]
+    encoded = [encode_chat(tokenizer, p.prompt) for p in prompts]
+    timed_generate(model, encoded[0], 4)  # warm-up, so the first timed call is not charged for it
+    stock = [timed_generate(model, e, args.max_new_tokens) for e in tqdm(encoded, desc="stock generate")]
+    patch(model)
+    timed_generate(model, encoded[0], 4)
+    patched = [timed_generate(model, e, args.max_new_tokens) for e in tqdm(encoded, desc="patched generate")]
+
+    rows = [("prompt", "stock tok/s", "patched tok/s", "speedup", "identical")]
+    for prompt, s, p in zip(prompts, stock, patched):
+        same = torch.equal(s.tokens, p.tokens)
+        rows.append((f"{prompt.category}/{prompt.name}", f"{s.tokens_per_s:.1f}", f"{p.tokens_per_s:.1f}",
+                     f"{p.tokens_per_s / s.tokens_per_s:.2f}x", "yes" if same else "NO"))
+        print(f"\n=== {prompt.category}/{prompt.name}: {prompt.prompt[:70]!r}...")
+        print(f"--- stock:\n{tokenizer.decode(s.tokens[0], skip_special_tokens=True)}")
+        if not same:
+            print(f"--- patched:\n{tokenizer.decode(p.tokens[0], skip_special_tokens=True)}")
+    print()
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    print(f"\n{report(model)}")
+    return 0
+
+
+def _one_per_category(prompts):
+    firsts = {}
+    for prompt in prompts:
+        firsts.setdefault(prompt.category, prompt)
+    return list(firsts.values())
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from transformers import TextStreamer
+
+    model, tokenizer = _load(args)
+    if not args.no_patch:
+        patch(model)
+    inputs = encode_chat(tokenizer, args.prompt, model.device)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
+    result = timed_generate(model, inputs, args.max_new_tokens, streamer=streamer)
+    if streamer is None:
+        print(tokenizer.decode(result.tokens[0], skip_special_tokens=True))
+    print(f"\n{result.tokens.shape[-1]} tokens in {result.seconds:.2f} s: {result.tokens_per_s:.1f} tokens/s")
+    if not args.no_patch:
+        print(report(model))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

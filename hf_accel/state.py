@@ -1,0 +1,42 @@
+"""The per-instance record of a patch, stored on the patched model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .changes import Changes
+from .report import PatchReport
+
+if TYPE_CHECKING:
+    import pluggy
+    from transformers import PreTrainedModel
+
+    from .generation import GenerateCall
+
+STATE_ATTR = "_hf_accel_state"
+
+
+@dataclass
+class PatchState:
+    """Lives at ``model._hf_accel_state`` while a model is patched; ``unpatch`` removes it."""
+
+    model: PreTrainedModel
+    pm: pluggy.PluginManager
+    device: torch.device
+    dtype: torch.dtype
+    report: PatchReport
+    original_generate: Callable[..., Any]
+    #: One entry per applied backend, in order; unpatch undoes them newest first.
+    changes: list[Changes] = field(default_factory=list)
+    #: A loop that replaces stock generate (set by a speculative backend), or None.
+    runner: Callable[[GenerateCall], Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"<PatchState of {type(self.model).__name__}: {len(self.changes)} backends applied>"
+
+
+def get_state(model: PreTrainedModel) -> PatchState | None:
+    return vars(model).get(STATE_ATTR)

@@ -1,0 +1,40 @@
+"""End to end on the real SmolLM2-135M-Instruct model (slow: a ~20 s load, then real generation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_accel
+from hf_accel.prompts import encode_chat, load_prompts
+
+pytestmark = pytest.mark.slow
+
+
+def first_of_each_category():
+    firsts = {}
+    for prompt in load_prompts():
+        firsts.setdefault(prompt.category, prompt)
+    return list(firsts.values())
+
+
+def greedy(model, inputs, n=32):
+    return model.generate(**inputs, max_new_tokens=n, do_sample=False)
+
+
+def test_default_model_is_the_embedded_smollm2(smollm2):
+    model, tokenizer = smollm2
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
+    assert model.dtype == torch.float32 and tokenizer.eos_token_id is not None
+
+
+def test_patched_greedy_output_equals_stock(smollm2):
+    model, tokenizer = smollm2
+    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()]
+    expected = [greedy(model, x) for x in inputs]
+    hf_accel.patch(model)
+    try:
+        for x, want in zip(inputs, expected):
+            assert torch.equal(greedy(model, x), want)
+    finally:
+        hf_accel.unpatch(model)
