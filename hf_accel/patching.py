@@ -263,7 +263,11 @@ class _Transaction:
                 feature=backend.feature, backend=backend.name, plugin=backend.plugin) from exc
         if probe is None:
             return None
-        verification = self._check(backend, probe, reference)
+        try:
+            verification = self._check(backend, probe, reference)
+        except Exception as exc:  # a backend that breaks the model fails verification; it does not crash patch()
+            logger.debug("verification of %s raised", backend.name, exc_info=True)
+            verification = Verification(probe=probe, passed=False, detail=f"the probe raised {type(exc).__name__}: {exc}")
         context.report.verification = verification
         if not verification.passed:
             self.state.changes.pop().undo()

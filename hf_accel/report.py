@@ -21,6 +21,8 @@ class Verification:
     detail: str = ""
 
     def __str__(self) -> str:
+        if not self.passed and self.error is None:
+            return f"FAILED: {self.detail}"
         if self.probe == "generate":
             return f"{'ok' if self.passed else 'FAILED'}: greedy tokens {'identical' if self.passed else 'differ'}"
         parts = [f"{'ok' if self.passed else 'FAILED'}: logit error {self.error:.1e} (bound {self.tolerance:.0e})"]

@@ -65,7 +65,6 @@ def greedy_tokens(generate: Callable[..., torch.Tensor], probe: ProbeInputs) -> 
             input_ids=probe.input_ids,
             attention_mask=probe.attention_mask,
             max_new_tokens=_PROBE_NEW_TOKENS,
-            min_new_tokens=_PROBE_NEW_TOKENS,
             do_sample=False,
             pad_token_id=probe.pad_token_id,
         )

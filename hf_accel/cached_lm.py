@@ -1,0 +1,86 @@
+"""A causal LM with its KV cache, advanced by chunks and rolled back per row.
+
+Used for both sides of speculative decoding: the target verifies a chunk of drafted tokens, a draft model
+proposes them, and each row of the batch keeps only the tokens it accepted.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class CachedLM:
+    """``model`` plus its cache and the per-row mask of which cache slots hold real tokens.
+
+    Rows stay right-aligned: each row's real tokens are contiguous and end at the last slot, with padding
+    on the left, exactly as a left-padded batch in stock ``generate``. Position ids are each row's count of
+    real tokens, as stock ``generate`` computes them, so the numbers match token for token.
+
+    Example::
+
+        lm = CachedLM(model)
+        last = lm.prefill(input_ids, attention_mask)       # [batch, vocab]
+        logits = lm.extend(next_tokens)                    # [batch, m, vocab]
+        lm.keep(torch.tensor([m, 1]))                      # row 0 keeps all m, row 1 keeps one
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        # Full-length layers even for sliding-window models: the window is applied by the attention mask,
+        # so rows can be realigned without losing tokens that a trimmed window layer would have dropped.
+        self.cache = DynamicCache()
+        self.mask: torch.Tensor | None = None
+        self._supports_logits_to_keep = model._supports_logits_to_keep()
+
+    @property
+    def batch_size(self) -> int:
+        return self.mask.shape[0]
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Run the prompt; the fp32 logits of its last position, ``[batch, vocab]``."""
+        self.mask = attention_mask.long()
+        positions = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
+        return self._forward(input_ids, positions, keep=1)[:, -1]
+
+    def extend(self, ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ``ids`` (``[batch, m]``) to every row; fp32 logits at each of them, ``[batch, m, vocab]``.
+
+        ``valid`` (``[batch, m]``, 1 = real) lets rows append fewer than ``m`` tokens: the others become
+        masked slots. Only a drafter uses it, where a hole costs speed but never correctness.
+        """
+        m = ids.shape[1]
+        chunk_mask = self.mask.new_ones(self.batch_size, m) if valid is None else valid.long()
+        positions = self.mask.sum(-1, keepdim=True) + (chunk_mask.cumsum(-1) - 1).clamp_min(0)
+        self.mask = torch.cat([self.mask, chunk_mask], dim=-1)
+        return self._forward(ids, positions, keep=m)
+
+    def keep(self, kept: torch.Tensor) -> None:
+        """Of the chunk just extended, row ``b`` keeps its first ``kept[b]`` tokens; the rest are forgotten."""
+        chunk = self._last_chunk
+        most = int(kept.max())
+        if most < chunk:
+            self.cache.crop(most - chunk)
+            self.mask = self.mask[:, : self.mask.shape[1] - (chunk - most)]
+        shift = most - kept
+        if bool((shift > 0).any()):
+            self._realign(shift)
+        self._last_chunk = 0
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
+        self._last_chunk = ids.shape[1]
+        kwargs = {"logits_to_keep": keep} if self._supports_logits_to_keep else {}
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+                         past_key_values=self.cache, use_cache=True, **kwargs)
+        return out.logits[:, -keep:].float()
+
+    def _realign(self, shift: torch.Tensor) -> None:
+        """Move each row's slots right by ``shift[row]``, turning its dropped tail into left padding."""
+        length = self.mask.shape[1]
+        source = (torch.arange(length, device=shift.device) - shift[:, None]) % length  # [batch, length]
+        for layer in self.cache.layers:
+            index = source[:, None, :, None].expand_as(layer.keys)
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)
+        self.mask = self.mask.gather(1, source)
+        self.mask[torch.arange(length, device=shift.device)[None, :] < shift[:, None]] = 0

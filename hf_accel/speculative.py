@@ -1,0 +1,415 @@
+"""The speculative draft/verify loop that replaces ``generate`` (greedy and sampling, batch > 1).
+
+Each step: the drafter proposes up to ``k`` tokens per row; the target scores the row's newest token plus
+all drafted ones in one forward pass; each row keeps its longest agreeing prefix plus one token from the
+target; the caches forget the rest. Greedy output is the target's own greedy output. Sampling uses exact
+speculative sampling (accept with min(1, p/q), else resample from max(p - q, 0)), so tokens follow the
+target's distribution.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cached_lm import CachedLM
+
+logger = logging.getLogger(__name__)
+
+#: Generation settings the loop reproduces exactly; any other non-default setting falls back to stock.
+SUPPORTED_SETTINGS = frozenset({
+    "max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "use_cache",
+    "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "return_dict_in_generate",
+    "output_scores", "output_logits", "transformers_version", "_from_model_config",
+    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+})
+_MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "logits_to_keep"})
+
+
+@dataclass
+class Draft:
+    """Up to ``k`` proposed tokens per row. ``probs`` is the drafter's distribution at each position (for
+    exact sampling); ``None`` means the tokens were proposed deterministically (a point mass)."""
+
+    tokens: torch.Tensor  # [batch, k] long
+    lengths: torch.Tensor  # [batch] long: how many of the k are real proposals
+    probs: torch.Tensor | None = None  # [batch, k, vocab]
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def trimmed(self) -> Draft:
+        """Without columns no row uses, so the target does not verify padding."""
+        width = int(self.lengths.max()) if self.lengths.numel() else 0
+        probs = None if self.probs is None else self.probs[:, :width]
+        return Draft(self.tokens[:, :width], self.lengths, probs)
+
+
+class Drafter(Protocol):
+    """What a speculative backend provides: a fresh one per ``generate`` call (see ``DrafterFactory``)."""
+
+    def start(self, loop: SpeculativeLoop) -> None:
+        """Called once, after the target's prefill; ``loop.rows[b]`` is row b's prompt plus its first token."""
+
+    def propose(self, loop: SpeculativeLoop, k: int) -> Draft:
+        """Up to ``k`` tokens per row that continue ``loop.rows[b]``."""
+
+    def accepted(self, loop: SpeculativeLoop, draft: Draft, kept: torch.Tensor) -> None:
+        """Row ``b`` kept the first ``kept[b]`` tokens of ``draft``, then received one from the target."""
+
+
+class DrafterFactory(Protocol):
+    def __call__(self, model: torch.nn.Module, config: GenerationConfig) -> Drafter: ...
+
+
+@dataclass
+class SpeculativeStats:
+    """Counts over every generate call of one patched model (``report(model)["speculative"].details``).
+    Forwards are counted per row, so ``tokens_per_forward`` is what one row gains from one target pass."""
+
+    calls: int = 0
+    fallbacks: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    generated: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated / self.target_forwards if self.target_forwards else 0.0
+
+    def as_details(self) -> dict[str, Any]:
+        return {"calls": self.calls, "fallbacks_to_stock": self.fallbacks, "drafted": self.drafted,
+                "accepted": self.accepted, "acceptance_rate": round(self.acceptance_rate, 4),
+                "tokens_per_target_forward": round(self.tokens_per_forward, 3),
+                "target_forwards_saved": max(self.generated - self.target_forwards, 0)}
+
+
+@dataclass
+class DraftLength:
+    """Adapts ``k``: grow by 2 after a fully accepted draft, shrink by 1 after a rejection."""
+
+    k: int = 4
+    low: int = 1
+    high: int = 16
+
+    def update(self, draft: Draft, kept: torch.Tensor, active: torch.Tensor) -> None:
+        proposed = active & (draft.lengths > 0)
+        if bool(proposed.any()):
+            full = bool((kept[proposed] >= draft.lengths[proposed]).all())
+            self.k = min(self.k + 2, self.high) if full else max(self.k - 1, self.low)
+
+
+def unsupported_setting(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
+    """The first generation setting the loop cannot reproduce exactly, or None."""
+    defaults = config._get_default_generation_params()
+    for key, value in config.to_dict().items():
+        default = defaults.get(key)
+        if key in SUPPORTED_SETTINGS or value == default or (value in (None, False) and default in (None, False)):
+            continue
+        return f"generation setting {key}={value!r}"
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_INPUTS and v is not None)
+    return f"generate argument {extra[0]!r}" if extra else None
+
+
+class SpeculativeLoop:
+    """One ``generate`` call's worth of speculative decoding over a batch.
+
+    ``rows[b]`` holds row b's left-padded prompt and every token generated so far; the target's cache holds
+    all of them but the newest, which is verified together with the next draft.
+    """
+
+    def __init__(self, model: torch.nn.Module, drafter: Drafter, config: GenerationConfig,
+                 processors: LogitsProcessorList, stopping: StoppingCriteriaList | None, streamer: Any,
+                 max_new_tokens: int, draft_length: DraftLength) -> None:
+        self.target = CachedLM(model)
+        self.drafter = drafter
+        self.config = config
+        self.processors = processors
+        self.stopping = stopping
+        self.streamer = streamer
+        self.max_new_tokens = max_new_tokens
+        self.draft_length = draft_length
+        eos = config.eos_token_id
+        self.eos = set([eos] if isinstance(eos, int) else (eos or []))
+        self.rows: list[torch.Tensor] = []
+        self.scores: list[list[torch.Tensor]] = []
+        self.logits: list[list[torch.Tensor]] = []
+        self.stats = SpeculativeStats()
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self.prompt_length = input_ids.shape[1]
+        self.rows = list(input_ids)
+        self.scores = [[] for _ in self.rows]
+        self.logits = [[] for _ in self.rows]
+        self.finished = torch.zeros(len(self.rows), dtype=torch.bool, device=input_ids.device)
+        if self.streamer is not None:
+            self.streamer.put(input_ids.cpu())
+        empty = Draft(input_ids.new_zeros(len(self.rows), 0), input_ids.new_zeros(len(self.rows)))
+        logits = self.target.prefill(input_ids, attention_mask)[:, None]
+        self.stats.target_forwards += len(self.rows)
+        kept, tokens, scores = self._accept(logits, empty)
+        self._append(tokens, kept + 1, scores, logits)
+        if not bool(self.finished.all()):
+            self.drafter.start(self)
+        while not bool(self.finished.all()):
+            self._step()
+        if self.streamer is not None:
+            self.streamer.end()
+        return self._sequences()
+
+    def _step(self) -> None:
+        draft = self.drafter.propose(self, self.draft_length.k).trimmed()
+        chunk = torch.cat([torch.stack([row[-1] for row in self.rows])[:, None], draft.tokens], dim=1)
+        logits = self.target.extend(chunk)  # position j predicts what follows chunk[:, j]
+        kept, tokens, scores = self._accept(logits, draft)
+        self.target.keep(kept + 1)  # the previous newest token and the accepted drafts
+        active = ~self.finished
+        self.stats.target_forwards += int(active.sum())
+        self.stats.drafted += int(draft.lengths[active].sum())
+        self.stats.accepted += int(kept[active].sum())
+        self._append(tokens, kept + 1, scores, logits)
+        self.drafter.accepted(self, draft, kept)
+        self.draft_length.update(draft, kept, active)
+
+    # -- acceptance ---------------------------------------------------------------------------------------
+    def _accept(self, logits: torch.Tensor, draft: Draft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row: how many drafted tokens to keep, the row's new tokens (kept drafts, then one from the
+        target, at index ``kept``), and the processed scores at each position."""
+        scores = self._process(logits, draft)
+        width = draft.width
+        in_draft = torch.arange(width, device=scores.device)[None, :] < draft.lengths[:, None]
+        if self.config.do_sample:
+            kept, extra = accept_sampled(scores.softmax(-1), draft, in_draft)
+        else:
+            choice = scores.argmax(-1)
+            kept = ((choice[:, :width] == draft.tokens) & in_draft).long().cumprod(-1).sum(-1)
+            extra = choice.gather(1, kept[:, None])[:, 0]
+        tokens = torch.cat([draft.tokens, extra[:, None]], dim=1)
+        tokens.scatter_(1, kept[:, None], extra[:, None])
+        return kept, tokens, scores
+
+    def _process(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
+        """The logits processors at each position, row by row, with the prefix stock generate would pass."""
+        if not self.processors:
+            return logits
+        out = torch.empty_like(logits)
+        for b, row in enumerate(self.rows):
+            prefix = row
+            for j in range(logits.shape[1]):
+                out[b, j] = self.processors(prefix[None], logits[b, j][None].clone())[0]
+                if j < draft.width:
+                    prefix = torch.cat([prefix, draft.tokens[b, j : j + 1]])
+        return out
+
+    # -- bookkeeping --------------------------------------------------------------------------------------
+    def _append(self, tokens: torch.Tensor, count: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor) -> None:
+        """Row ``b`` gains ``tokens[b, :count[b]]``, up to its EOS, stopping criterion or token budget."""
+        for b in range(len(self.rows)):
+            if bool(self.finished[b]):
+                continue
+            for j in range(int(count[b])):
+                self.rows[b] = torch.cat([self.rows[b], tokens[b, j : j + 1]])
+                self.scores[b].append(scores[b, j])
+                self.logits[b].append(logits[b, j])
+                self.stats.generated += 1
+                if self.streamer is not None:
+                    self.streamer.put(tokens[b, j : j + 1].cpu())
+                if self._row_done(b, int(tokens[b, j]), scores[b, j]):
+                    self.finished[b] = True
+                    break
+
+    def _row_done(self, b: int, token: int, scores: torch.Tensor) -> bool:
+        if token in self.eos or self.rows[b].shape[0] - self.prompt_length >= self.max_new_tokens:
+            return True
+        return bool(self.stopping and self.stopping(self.rows[b][None], scores[None]).any())
+
+    def _sequences(self) -> torch.Tensor:
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else min(self.eos, default=0)
+        width = max(row.shape[0] for row in self.rows)
+        out = self.rows[0].new_full((len(self.rows), width), pad)
+        for b, row in enumerate(self.rows):
+            out[b, : row.shape[0]] = row
+        return out
+
+    def per_step(self, per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+        """Stock's layout for scores/logits: one ``[batch, vocab]`` tensor per step; ``-inf`` after a row ended."""
+        steps = max(len(r) for r in per_row)
+        vocab = per_row[0][0].shape[-1]
+        out = []
+        for s in range(steps):
+            column = [r[s] if s < len(r) else torch.full((vocab,), float("-inf")) for r in per_row]
+            out.append(torch.stack(column))
+        return tuple(out)
+
+
+def accept_sampled(p: torch.Tensor, draft: Draft, in_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact speculative sampling. ``p``: the target's probabilities at each of the k+1 positions.
+
+    Draft token x at position j is accepted with probability min(1, p(x) / q(x)); at the first rejection the
+    token is resampled from max(p - q, 0), normalised; if every draft is accepted, one more is sampled from p.
+    """
+    batch, width = draft.tokens.shape
+    vocab = p.shape[-1]
+    if draft.probs is None:  # deterministic drafter: q is a point mass on the drafted token
+        q = torch.zeros(batch, width, vocab, device=p.device, dtype=p.dtype)
+        q.scatter_(2, draft.tokens[..., None], 1.0)
+    else:
+        q = draft.probs.to(p.dtype)
+    p_x = p[:, :width].gather(2, draft.tokens[..., None])[..., 0]
+    q_x = q.gather(2, draft.tokens[..., None])[..., 0]
+    ok = torch.rand(batch, width, device=p.device) * q_x <= p_x  # u < p/q without dividing by zero
+    ok &= in_draft & (q_x > 0)
+    kept = ok.long().cumprod(-1).sum(-1)
+    rows = torch.arange(batch, device=p.device)
+    target = p[rows, kept]
+    rejected = kept < draft.lengths
+    residual = (target - torch.where(rejected[:, None], q[rows, kept.clamp_max(width - 1)] if width else 0, 0)).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target)
+    extra = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1)[:, 0]
+    return kept, extra
+
+
+def sampling_processors(config: GenerationConfig) -> LogitsProcessorList:
+    """The warpers stock generate applies when sampling, in its order: temperature, top-k, top-p."""
+    warpers = LogitsProcessorList()
+    if not config.do_sample:
+        return warpers
+    if config.temperature is not None and config.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k is not None and config.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
+    if config.top_p is not None and config.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
+    return warpers
+
+
+def to_output(loop: SpeculativeLoop, config: GenerationConfig) -> Any:
+    sequences = loop._sequences()
+    if not config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=loop.per_step(loop.scores) if config.output_scores else None,
+        logits=loop.per_step(loop.logits) if config.output_logits else None,
+    )
+
+
+# -- the runner a speculative backend installs ------------------------------------------------------------
+_GENERATE_ARGS = ("inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+                  "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
+                  "negative_prompt_attention_mask", "custom_generate")
+_NOT_COVERED = ("prefix_allowed_tokens_fn", "synced_gpus", "assistant_model", "negative_prompt_ids",
+                "negative_prompt_attention_mask", "custom_generate")
+
+
+@dataclass
+class CallPlan:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    config: GenerationConfig
+    processors: LogitsProcessorList
+    stopping: StoppingCriteriaList | None
+    streamer: Any
+    max_new_tokens: int
+
+
+def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallPlan | str:
+    """Read a ``generate`` call as stock would; a string says why the loop cannot run it exactly."""
+    named = dict(zip(_GENERATE_ARGS, args))
+    if len(args) > len(_GENERATE_ARGS) or set(named) & set(kwargs):
+        return "positional arguments beyond generate's signature"
+    named.update(kwargs)
+    for name in _NOT_COVERED:
+        if named.pop(name, None) is not None:
+            return f"generate argument {name!r}"
+    input_ids = named.pop("inputs", None)
+    if input_ids is None:
+        input_ids = named.pop("input_ids", None)
+    else:
+        named.pop("input_ids", None)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        return "inputs other than a [batch, length] tensor of token ids"
+    if model.config.is_encoder_decoder:
+        return "encoder-decoder models"
+    extra = {k: named.pop(k, None) for k in ("logits_processor", "stopping_criteria", "streamer")}
+    config, model_kwargs = model._prepare_generation_config(named.pop("generation_config", None), **named)
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    why = unsupported_setting(config, model_kwargs)
+    if why:
+        return why
+    max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - input_ids.shape[1]
+    if max_new < 1:
+        return "no tokens to generate (max_length <= prompt length)"
+    if config.pad_token_id is None:
+        eos = config.eos_token_id
+        config.pad_token_id = eos[0] if isinstance(eos, list) else eos
+    if attention_mask is None:
+        attention_mask = _infer_attention_mask(input_ids, config)
+    processors = LogitsProcessorList(extra["logits_processor"] or []) + sampling_processors(config)
+    return CallPlan(input_ids, attention_mask, config, processors, extra["stopping_criteria"], extra["streamer"],
+                    max_new)
+
+
+def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
+    """Stock's rule: the pad token marks padding, unless it is also the EOS token."""
+    pad, eos = config.pad_token_id, config.eos_token_id
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
+        return input_ids.ne(pad).long()
+    return torch.ones_like(input_ids)
+
+
+class SpeculativeRunner:
+    """Installed as ``state.runner`` by a speculative backend; runs each generate call it can cover."""
+
+    def __init__(self, make_drafter: DrafterFactory, details: dict[str, Any], draft_length: DraftLength) -> None:
+        self.make_drafter = make_drafter
+        self.details = details
+        self.draft_length = draft_length
+        self.stats = SpeculativeStats()
+        self._logged: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"<SpeculativeRunner k={self.draft_length.k} {self.stats.as_details()}>"
+
+    def __call__(self, call: Any) -> Any:
+        plan = plan_call(call.model, call.args, call.kwargs)
+        self.stats.calls += 1
+        if isinstance(plan, str):
+            return self._fallback(call, plan)
+        drafter = self.make_drafter(call.model, plan.config)
+        loop = SpeculativeLoop(call.model, drafter, plan.config, plan.processors, plan.stopping, plan.streamer,
+                               plan.max_new_tokens, self.draft_length)
+        with torch.no_grad():
+            loop.run(plan.input_ids, plan.attention_mask)
+        for name in ("target_forwards", "drafted", "accepted", "generated"):
+            setattr(self.stats, name, getattr(self.stats, name) + getattr(loop.stats, name))
+        self.details.update(self.stats.as_details(), draft_length=self.draft_length.k)
+        return to_output(loop, plan.config)
+
+    def _fallback(self, call: Any, reason: str) -> Any:
+        self.stats.fallbacks += 1
+        self.details.update(self.stats.as_details())
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.info("hf_accel: speculative decoding does not cover %s; this call runs stock generate", reason)
+        return call.run_stock()
+
+
+def install_runner(context: Any, make_drafter: DrafterFactory, draft_length: DraftLength) -> None:
+    """What a speculative backend's ``apply`` does: route this model's generate calls through the loop."""
+    runner = SpeculativeRunner(make_drafter, context.report.details, draft_length)
+    context.changes.setattr(context.state, "runner", runner)

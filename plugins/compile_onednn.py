@@ -1,0 +1,87 @@
+"""Exact fp32 Linear layers on prepacked oneDNN weights (CPU).
+
+Stock ``F.linear`` on this class of CPU reads fp32 weights at ~12 GB/s for one token and gets *slower* for
+the few-token chunks speculative decoding verifies. oneDNN with the weight reordered once into its blocked
+layout (what inductor's weight freezing does) reads them at ~20 GB/s and stays flat up to ~8 tokens.
+Same fp32 arithmetic, different summation order: verified against the model before it, like every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_accel import Backend, Capabilities, PatchContext, hookimpl
+
+#: The row count oneDNN is told to expect when it packs: measured fastest for 1-16 rows on 2 cores.
+PACK_FOR_ROWS = 8
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose forward runs on a oneDNN-packed copy of its weight.
+
+    Keeps the original ``weight`` and ``bias`` parameters (same objects: state_dict keys and tied weights
+    are unchanged). Falls back to ``F.linear`` when autograd needs the graph.
+    """
+
+    def __init__(self, linear: nn.Linear, pack_for_rows: int = PACK_FOR_ROWS) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.original = [linear]  # a list, so the original is not registered as a submodule
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), pack_for_rows)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, self.in_features)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def linear_children(model: nn.Module):
+    """(parent, child name, qualified name, linear) for every plain ``nn.Linear`` in the model."""
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:
+                yield parent, name, f"{parent_name}.{name}".lstrip("."), child
+
+
+def pack_linears(context: PatchContext) -> None:
+    for parent, name, qualified, linear in list(linear_children(context.model)):
+        context.changes.set_submodule(parent, name, PackedLinear(linear))
+        context.report.modules.append(qualified)
+    context.report.details["packed_linears"] = len(context.report.modules)
+
+
+def why_unavailable() -> str | None:
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch build has no oneDNN (mkldnn)"
+    return None
+
+
+def why_unsuitable(context: PatchContext) -> str | None:
+    if not any(True for _ in linear_children(context.model)):
+        return "the model has no nn.Linear layers to pack"
+    return None
+
+
+@hookimpl
+def hf_accel_register_backends(register):
+    register(Backend(
+        name="onednn_prepack",
+        feature="compile",
+        apply=pack_linears,
+        why_unavailable=why_unavailable,
+        why_unsuitable=why_unsuitable,
+        capabilities=Capabilities(devices=("cpu",), dtypes=(torch.float32,)),
+        priority=10,
+        description="Linear layers on prepacked oneDNN fp32 weights (exact arithmetic, ~1.7x faster matmuls)",
+    ))
