@@ -7,7 +7,8 @@ proposes them, and each row of the batch keeps only the tokens it accepted.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+
+from .kv_cache import PreallocatedCache
 
 
 class CachedLM:
@@ -25,11 +26,12 @@ class CachedLM:
         lm.keep(torch.tensor([m, 1]))                      # row 0 keeps all m, row 1 keeps one
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, cache: PreallocatedCache | None = None) -> None:
         self.model = model
         # Full-length layers even for sliding-window models: the window is applied by the attention mask,
         # so rows can be realigned without losing tokens that a trimmed window layer would have dropped.
-        self.cache = DynamicCache()
+        self.cache = cache if cache is not None else PreallocatedCache(model.config)
+        self.cache.reset()
         self.mask: torch.Tensor | None = None
         self._supports_logits_to_keep = model._supports_logits_to_keep()
 
@@ -79,8 +81,6 @@ class CachedLM:
         length = self.mask.shape[1]
         source = (torch.arange(length, device=shift.device) - shift[:, None]) % length  # [batch, length]
         for layer in self.cache.layers:
-            index = source[:, None, :, None].expand_as(layer.keys)
-            layer.keys = layer.keys.gather(2, index)
-            layer.values = layer.values.gather(2, index)
+            layer.gather_positions(source)
         self.mask = self.mask.gather(1, source)
         self.mask[torch.arange(length, device=shift.device)[None, :] < shift[:, None]] = 0

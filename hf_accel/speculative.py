@@ -358,9 +358,9 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     if attention_mask is None:
         attention_mask = _infer_attention_mask(input_ids, config)
-    processors = LogitsProcessorList(extra["logits_processor"] or []) + sampling_processors(config)
-    return CallPlan(input_ids, attention_mask, config, processors, extra["stopping_criteria"], extra["streamer"],
-                    max_new)
+    processors = LogitsProcessorList([*(extra["logits_processor"] or []), *sampling_processors(config)])
+    stopping = StoppingCriteriaList(extra["stopping_criteria"]) if extra["stopping_criteria"] else None
+    return CallPlan(input_ids, attention_mask, config, processors, stopping, extra["streamer"], max_new)
 
 
 def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor:

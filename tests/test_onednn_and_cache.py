@@ -1,0 +1,85 @@
+"""The oneDNN-prepacked Linear backend and the preallocated KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_state, left_padded_batch, make_tiny_model, state_dict_copy
+
+import hf_accel
+from hf_accel.kv_cache import PreallocatedCache, PreallocatedLayer
+from hf_accel_plugins.compile_onednn import PackedLinear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+def test_packed_linears_keep_state_dict_and_tied_weights():
+    model = make_tiny_model("gemma2")  # ties lm_head to the embeddings
+    before = state_dict_copy(model)
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    assert any(isinstance(m, PackedLinear) for m in model.modules())
+    assert_same_state(before, state_dict_copy(model))
+    if model.config.tie_word_embeddings:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    report = hf_accel.report(model)["compile"]
+    assert report.backend == "onednn_prepack" and report.verification.passed
+    assert report.details["packed_linears"] == len(report.modules) > 0
+
+
+def test_packed_model_matches_stock_logits_and_greedy_tokens(tiny_model):
+    ids, mask = left_padded_batch(tiny_model)
+    with torch.no_grad():
+        logits = tiny_model(input_ids=ids, attention_mask=mask).logits
+    expected = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    hf_accel.patch(tiny_model, compile="onednn_prepack", speculative=None)
+    with torch.no_grad():
+        torch.testing.assert_close(tiny_model(input_ids=ids, attention_mask=mask).logits, logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False),
+                      expected)
+
+
+def test_training_still_backpropagates_through_packed_linears(llama):
+    hf_accel.patch(llama, compile="onednn_prepack", speculative=None)
+    ids, mask = left_padded_batch(llama, (5,))
+    loss = llama(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert llama.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+def test_onednn_refuses_non_fp32_models_with_a_reason():
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    with pytest.raises(hf_accel.BackendUnavailableError, match="float32"):
+        hf_accel.patch(model, compile="onednn_prepack")
+
+
+def kv(batch=2, length=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 2, length, 4, generator=g), torch.randn(batch, 2, length, 4, generator=g)
+
+
+def test_preallocated_layer_appends_in_place_grows_and_crops():
+    layer = PreallocatedLayer(capacity=4)
+    k1, v1 = kv(length=3)
+    keys, values = layer.update(k1, v1)
+    assert torch.equal(keys, k1) and layer.get_seq_length() == 3
+    buffer = layer._keys
+    k2, v2 = kv(length=1, seed=1)
+    keys, _ = layer.update(k2, v2)
+    assert layer._keys is buffer and torch.equal(keys, torch.cat([k1, k2], dim=2))  # written in place
+    k3, v3 = kv(length=300, seed=2)
+    keys, values = layer.update(k3, v3)  # grows, keeping what was there
+    assert layer.capacity >= 304 and torch.equal(keys, torch.cat([k1, k2, k3], dim=2))
+    layer.crop(-300)
+    assert layer.get_seq_length() == 4 and torch.equal(layer.keys, torch.cat([k1, k2], dim=2))
+
+
+def test_preallocated_cache_is_reused_after_reset(llama):
+    cache = PreallocatedCache(llama.config, capacity=64)
+    ids, mask = left_padded_batch(llama, (9,))
+    expected = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, past_key_values=cache)
+    assert torch.equal(out, expected)
+    buffers = [layer._keys for layer in cache.layers]
+    cache.reset()
+    out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, past_key_values=cache)
+    assert torch.equal(out, expected) and all(a is layer._keys for a, layer in zip(buffers, cache.layers))

@@ -1,0 +1,214 @@
+"""The speculative loop: greedy identity with stock generate, exact sampling, and generate's features."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, left_padded_batch, make_tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList, StoppingCriteria
+
+import hf_accel
+from hf_accel import Backend, hookimpl
+from hf_accel.speculative import Draft, DraftLength, install_runner
+
+
+class ScriptedDrafter:
+    """Proposes what the target will generate (from a reference run), corrupted every few tokens, so
+    drafts are accepted in part, fully, and past EOS."""
+
+    def __init__(self, reference: torch.Tensor, prompt_length: int, corrupt_every: int = 3) -> None:
+        self.reference = reference
+        self.prompt_length = prompt_length
+        self.corrupt_every = corrupt_every
+
+    def start(self, loop):
+        pass
+
+    def propose(self, loop, k):
+        tokens = torch.zeros(len(loop.rows), k, dtype=torch.long)
+        lengths = torch.zeros(len(loop.rows), dtype=torch.long)
+        for b, row in enumerate(loop.rows):
+            done = row.shape[0]
+            truth = self.reference[b, done : done + k]
+            tokens[b, : truth.numel()] = truth
+            lengths[b] = truth.numel()
+            position = done - self.prompt_length
+            if position % self.corrupt_every == 0 and truth.numel() > 1:
+                tokens[b, 1] = (truth[1] + 1) % VOCAB
+        return Draft(tokens, lengths)
+
+    def accepted(self, loop, draft, kept):
+        pass
+
+
+class RandomDrafter:
+    """Samples drafts from a random distribution q (different from the target's), returning q, so exact
+    speculative sampling has real rejections to correct."""
+
+    def __init__(self, vocab: int, seed: int = 0) -> None:
+        self.vocab = vocab
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def start(self, loop):
+        pass
+
+    def propose(self, loop, k):
+        batch = len(loop.rows)
+        q = torch.rand(batch, k, self.vocab, generator=self.generator) ** 2
+        q = q / q.sum(-1, keepdim=True)
+        tokens = torch.multinomial(q.view(-1, self.vocab), 1, generator=self.generator).view(batch, k)
+        return Draft(tokens, torch.full((batch,), k), probs=q)
+
+    def accepted(self, loop, draft, kept):
+        pass
+
+
+def drafter_plugin(make_drafter, k=4):
+    class Plugin:
+        @hookimpl
+        def hf_accel_register_backends(self, register):
+            register(Backend(name="test_drafter", feature="speculative", probe=None,
+                             apply=lambda ctx: install_runner(ctx, make_drafter, DraftLength(k=k, low=1, high=8))))
+    return Plugin()
+
+
+def greedy(model, ids, mask, **kwargs):
+    return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
+
+
+def stats(model):
+    return hf_accel.report(model)["speculative"].details
+
+
+@pytest.mark.parametrize("lengths", [(1,), (17,), (7, 3, 5)], ids=["len1", "len17", "batch3-left-padded"])
+def test_greedy_ngram_is_token_identical_to_stock(tiny_model, lengths):
+    ids, mask = left_padded_batch(tiny_model, lengths)
+    expected = greedy(tiny_model, ids, mask, max_new_tokens=24)
+    hf_accel.patch(tiny_model, speculative="ngram")
+    assert torch.equal(greedy(tiny_model, ids, mask, max_new_tokens=24), expected)
+    assert stats(tiny_model)["fallbacks_to_stock"] == 0
+
+
+def test_long_prompt_past_the_sliding_window():
+    model = make_tiny_model("mistral")  # window 16
+    ids, mask = left_padded_batch(model, (300, 40, 120))
+    expected = greedy(model, ids, mask, max_new_tokens=30)
+    hf_accel.patch(model, speculative="ngram")
+    assert torch.equal(greedy(model, ids, mask, max_new_tokens=30), expected)
+
+
+@pytest.mark.parametrize("stop_at", [4, 9])
+def test_partially_accepted_drafts_and_eos_inside_a_draft(tiny_model, stop_at):
+    ids, mask = left_padded_batch(tiny_model)
+    reference = greedy(tiny_model, ids, mask, max_new_tokens=20)
+    eos = int(reference[1, ids.shape[1] + stop_at])  # row 1 stops there; drafts run past it
+    tiny_model.generation_config.eos_token_id = eos
+    expected = greedy(tiny_model, ids, mask, max_new_tokens=20)
+    drafter = lambda model, config: ScriptedDrafter(reference, ids.shape[1])
+    hf_accel.patch(tiny_model, speculative="test_drafter", plugins=[drafter_plugin(drafter)])
+    assert torch.equal(greedy(tiny_model, ids, mask, max_new_tokens=20), expected)
+    details = stats(tiny_model)
+    assert 0 < details["accepted"] < details["drafted"]
+
+
+def test_generate_features_pass_through_unchanged(llama):
+    ids, mask = left_padded_batch(llama, (9,))
+    banned = int(greedy(llama, ids, mask, max_new_tokens=3)[0, -1])
+
+    class Ban(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[:, banned] = -float("inf")
+            return scores
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= ids.shape[1] + 11, dtype=torch.bool)
+
+    kwargs = dict(max_new_tokens=30, logits_processor=LogitsProcessorList([Ban()]), stopping_criteria=[StopAfter()],
+                  return_dict_in_generate=True, output_scores=True, output_logits=True)
+    expected = greedy(llama, ids, mask, **kwargs)
+    hf_accel.patch(llama, speculative="ngram")
+    out = greedy(llama, ids, mask, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences) and out.sequences.shape[1] == ids.shape[1] + 11
+    assert len(out.scores) == len(expected.scores) == len(out.logits)
+    for ours, theirs in zip(out.scores, expected.scores):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_streamer_receives_prompt_then_every_token(llama):
+    class Recorder:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    ids, mask = left_padded_batch(llama, (6,))
+    expected = greedy(llama, ids, mask, max_new_tokens=12)
+    hf_accel.patch(llama, speculative="ngram")
+    recorder = Recorder()
+    greedy(llama, ids, mask, max_new_tokens=12, streamer=recorder)
+    assert recorder.ended and recorder.chunks[0] == ids[0].tolist()
+    assert sum(recorder.chunks[1:], []) == expected[0, ids.shape[1]:].tolist()
+
+
+def test_uncovered_generation_modes_fall_back_to_stock(llama, caplog):
+    ids, mask = left_padded_batch(llama, (6,))
+    expected = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=2, do_sample=False)
+    hf_accel.patch(llama, speculative="ngram")
+    with caplog.at_level("INFO", logger="hf_accel"):
+        out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=2, do_sample=False)
+    assert torch.equal(out, expected) and stats(llama)["fallbacks_to_stock"] == 1
+    assert "num_beams" in caplog.text
+
+
+def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's test, pooling categories expected fewer than 5 times into one."""
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = exp > 0
+    statistic = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic.double() / 2))
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0, "top_k": 0}, {"temperature": 0.7, "top_k": 5}],
+                         ids=["plain", "temperature-topk"])
+def test_speculative_sampling_follows_the_target_distribution(sampling):
+    """3000 rows sample two tokens each from a 6-token vocabulary; the 36 outcomes are compared with the
+    target's exact distribution by a chi-square test at significance level 0.001 (seeded, so repeatable)."""
+    vocab, rows, prompt = 6, 3000, torch.tensor([[1, 4, 2, 5]])
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # a peaked target, unlike the drafter's q
+    warp = lambda logits: _warp(logits, **sampling)
+    with torch.no_grad():
+        first = warp(model(prompt).logits[0, -1]).softmax(-1)
+        seconds = torch.stack([warp(model(torch.cat([prompt, torch.tensor([[t]])], 1)).logits[0, -1]).softmax(-1)
+                               for t in range(vocab)])
+    exact = (first[:, None] * seconds).reshape(-1)
+
+    hf_accel.patch(model, speculative="test_drafter", plugins=[drafter_plugin(lambda m, c: RandomDrafter(vocab), k=3)])
+    torch.manual_seed(1)
+    out = model.generate(prompt.repeat(rows, 1), attention_mask=torch.ones(rows, 4, dtype=torch.long),
+                         do_sample=True, max_new_tokens=2, pad_token_id=0, **sampling)
+    pairs = out[:, 4] * vocab + out[:, 5]
+    observed = torch.bincount(pairs, minlength=vocab * vocab).double()
+    assert stats(model)["accepted"] < stats(model)["drafted"]  # rejections happened and were corrected
+    assert chi_square_p_value(observed, exact.double() * rows) > 0.001
+
+
+def _warp(logits, temperature, top_k):
+    logits = logits / temperature
+    if top_k:
+        kth = logits.topk(top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    return logits
