@@ -42,6 +42,7 @@ class CachedLM:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Run the prompt; the fp32 logits of its last position, ``[batch, vocab]``."""
         self.mask = attention_mask.long()
+        self._appended = 0
         positions = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
         return self._forward(input_ids, positions, keep=1)[:, -1]
 
@@ -55,22 +56,23 @@ class CachedLM:
         chunk_mask = self.mask.new_ones(self.batch_size, m) if valid is None else valid.long()
         positions = self.mask.sum(-1, keepdim=True) + (chunk_mask.cumsum(-1) - 1).clamp_min(0)
         self.mask = torch.cat([self.mask, chunk_mask], dim=-1)
+        self._appended += m
         return self._forward(ids, positions, keep=m)
 
     def keep(self, kept: torch.Tensor) -> None:
-        """Of the chunk just extended, row ``b`` keeps its first ``kept[b]`` tokens; the rest are forgotten."""
-        chunk = self._last_chunk
+        """Of the tokens appended since the last ``keep`` (or the prefill), row ``b`` keeps its first
+        ``kept[b]``; the rest are forgotten."""
+        appended = self._appended
         most = int(kept.max())
-        if most < chunk:
-            self.cache.crop(most - chunk)
-            self.mask = self.mask[:, : self.mask.shape[1] - (chunk - most)]
+        if most < appended:
+            self.cache.crop(most - appended)
+            self.mask = self.mask[:, : self.mask.shape[1] - (appended - most)]
         shift = most - kept
         if bool((shift > 0).any()):
             self._realign(shift)
-        self._last_chunk = 0
+        self._appended = 0
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
-        self._last_chunk = ids.shape[1]
         kwargs = {"logits_to_keep": keep} if self._supports_logits_to_keep else {}
         out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
                          past_key_values=self.cache, use_cache=True, **kwargs)

@@ -45,6 +45,18 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", type=int, default=3, help="how many built-in prompts to run (default 3)")
     demo.set_defaults(func=cmd_demo)
 
+    bench = sub.add_parser("bench", help="stock, transformers-native and hf_accel configurations side by side")
+    _add_model_arguments(bench)
+    bench.add_argument("--prompts", help="a JSONL file of prompts (default: the shipped set, one per category)")
+    bench.add_argument("--all-prompts", action="store_true", help="every shipped prompt, not one per category")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeat", type=int, default=1, help="timed runs per prompt; the median is reported")
+    bench.add_argument("--configs", help="comma-separated substrings: run only configurations whose name matches")
+    bench.add_argument("--quantize", default="", help="comma-separated quantize schemes to add (e.g. int8,int4)")
+    bench.add_argument("--json", help="write the rows to this JSON file")
+    bench.add_argument("--plot", help="save a bar chart PNG here (needs matplotlib)")
+    bench.set_defaults(func=cmd_bench)
+
     gen = sub.add_parser("generate", help="generate from one prompt, then print tokens/s and the report")
     gen.add_argument("--prompt", required=True)
     _add_model_arguments(gen)
@@ -110,6 +122,41 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
     print(f"\n{report(model)}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from .bench import default_configs, format_table, plot, run_bench, summary_table, write_json
+
+    if args.max_new_tokens < 1 or args.repeat < 1:
+        raise CLIError("--max-new-tokens and --repeat must be at least 1")
+    prompts = load_prompts(args.prompts)
+    if args.prompts is None and not args.all_prompts:
+        prompts = _one_per_category(prompts)
+    available = {b.feature for b in available_backends() if b.available}
+    quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
+    if quantize and "quantize" not in available:
+        raise CLIError("--quantize: no quantize backend can run here (see `hf-accel doctor`)")
+    configs = default_configs(available, quantize)
+    if args.configs:
+        wanted = [w.strip() for w in args.configs.split(",")]
+        configs = [c for c in configs if c.group == "stock" or any(w in c.name for w in wanted)]
+    model, tokenizer = _load(args)
+    bar = tqdm(total=len(configs) * len(prompts), desc="bench", unit="run")
+
+    def progress(label: str) -> None:
+        bar.set_postfix_str(label[:60])
+        bar.update(1)
+
+    rows = run_bench(model, tokenizer, prompts, configs, args.max_new_tokens, args.repeat, progress)
+    bar.close()
+    print(f"\n{summary_table(rows)}\n\n{format_table(rows)}")
+    if args.json:
+        write_json(rows, args.json)
+    if args.plot:
+        plot(rows, args.plot)
     return 0
 
 

@@ -151,6 +151,7 @@ class SpeculativeLoop:
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         self.prompt_length = input_ids.shape[1]
+        self.prompt_mask = attention_mask
         self.rows = list(input_ids)
         self.scores = [[] for _ in self.rows]
         self.logits = [[] for _ in self.rows]
@@ -307,6 +308,57 @@ def to_output(loop: SpeculativeLoop, config: GenerationConfig) -> Any:
     )
 
 
+# -- a drafter for any causal LM that shares the target's tokenizer -------------------------------------------
+class ModelDrafter:
+    """Drafts by running a (cheaper) causal LM with its own cache: a small model of the same family, or a
+    quantized copy of the target. Greedy when the call is greedy; otherwise it samples from its own
+    distribution under the call's temperature/top-k/top-p and reports it, for exact acceptance.
+
+    Its cache always holds every row's tokens but the newest; after a step, rejected drafts are cropped.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: GenerationConfig, vocab_size: int,
+                 cache: Any = None) -> None:
+        self.lm = CachedLM(model, cache)
+        self.sample = bool(config.do_sample)
+        self.warpers = sampling_processors(config)
+        self.vocab_size = vocab_size
+
+    def start(self, loop: SpeculativeLoop) -> None:
+        prompt_and_first = torch.stack(loop.rows)
+        self.lm.prefill(prompt_and_first[:, :-1], loop.prompt_mask)
+
+    def propose(self, loop: SpeculativeLoop, k: int) -> Draft:
+        token = torch.stack([row[-1] for row in loop.rows])
+        tokens, probs = [], []
+        for _ in range(k):
+            scores = self._scores(self.lm.extend(token[:, None])[:, -1])
+            if self.sample:
+                q = scores.softmax(-1)
+                token = torch.multinomial(q, 1)[:, 0]
+                probs.append(q)
+            else:
+                token = scores.argmax(-1)
+            tokens.append(token)
+        stacked = torch.stack(tokens, dim=1)
+        return Draft(stacked, torch.full_like(stacked[:, 0], k), torch.stack(probs, 1) if probs else None)
+
+    def accepted(self, loop: SpeculativeLoop, draft: Draft, kept: torch.Tensor) -> None:
+        k = draft.width
+        self.lm.keep(1 + kept.clamp_max(k - 1))  # its cache saw the previous newest token and drafts 1..k-1
+        full = kept >= k
+        if bool(full.any()):  # rows that took every draft also need the last one in the cache
+            self.lm.extend(draft.tokens[:, -1:])
+            self.lm.keep(full.long())
+
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.shape[-1] != self.vocab_size:  # a draft vocabulary padded differently from the target's
+            logits = logits[..., : self.vocab_size]
+            if logits.shape[-1] < self.vocab_size:
+                logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=-float("inf"))
+        return self.warpers(None, logits) if self.warpers else logits
+
+
 # -- the runner a speculative backend installs ------------------------------------------------------------
 _GENERATE_ARGS = ("inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
                   "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
@@ -407,6 +459,13 @@ class SpeculativeRunner:
             self._logged.add(reason)
             logger.info("hf_accel: speculative decoding does not cover %s; this call runs stock generate", reason)
         return call.run_stock()
+
+
+def object_request_problem(context: Any) -> str | None:
+    """For drafters that need nothing from the user: refuse ``speculative=<some object>``."""
+    if isinstance(context.request, (str, bool)):
+        return None
+    return f"speculative={type(context.request).__name__} asks for a draft-model backend"
 
 
 def install_runner(context: Any, make_drafter: DrafterFactory, draft_length: DraftLength) -> None:

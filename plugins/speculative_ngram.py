@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hf_accel import Backend, PatchContext, hookimpl
-from hf_accel.speculative import Draft, DraftLength, SpeculativeLoop, install_runner
+from hf_accel.speculative import Draft, DraftLength, SpeculativeLoop, install_runner, object_request_problem
 
 
 class NgramDrafter:
@@ -58,6 +58,7 @@ def hf_accel_register_backends(register):
         name="ngram",
         feature="speculative",
         apply=install,
+        why_unsuitable=object_request_problem,
         probe="generate",
         priority=10,
         options={"ngram_size": 3, "num_draft_tokens": 10},

@@ -212,3 +212,62 @@ def _warp(logits, temperature, top_k):
         kth = logits.topk(top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -float("inf"))
     return logits
+
+
+@pytest.mark.parametrize("lengths", [(9,), (7, 3, 5)], ids=["batch1", "batch3-left-padded"])
+def test_draft_model_drafter_is_token_identical(tiny_model, arch, lengths):
+    ids, mask = left_padded_batch(tiny_model, lengths)
+    expected = greedy(tiny_model, ids, mask, max_new_tokens=20)
+    draft = make_tiny_model(arch, seed=1)  # same architecture, other weights: agrees sometimes
+    hf_accel.patch(tiny_model, speculative=draft)
+    assert hf_accel.report(tiny_model)["speculative"].backend == "draft_model"
+    assert torch.equal(greedy(tiny_model, ids, mask, max_new_tokens=20), expected)
+    assert stats(tiny_model)["drafted"] > 0
+
+
+def test_draft_model_with_itself_accepts_everything(llama):
+    ids, mask = left_padded_batch(llama, (7, 3, 5))
+    expected = greedy(llama, ids, mask, max_new_tokens=20)
+    hf_accel.patch(llama, speculative=make_tiny_model("llama"))  # identical weights: every draft is right
+    assert torch.equal(greedy(llama, ids, mask, max_new_tokens=20), expected)
+    assert stats(llama)["acceptance_rate"] == 1.0
+
+
+def test_draft_model_sampling_follows_the_target_distribution():
+    """Same check as above with a real draft model's q (significance level 0.001)."""
+    vocab, rows, prompt = 6, 3000, torch.tensor([[1, 4, 2, 5]])
+    config = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    draft = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+        draft.lm_head.weight.mul_(4)
+        first = model(prompt).logits[0, -1].softmax(-1)
+        seconds = torch.stack([model(torch.cat([prompt, torch.tensor([[t]])], 1)).logits[0, -1].softmax(-1)
+                               for t in range(vocab)])
+    exact = (first[:, None] * seconds).reshape(-1)
+    hf_accel.patch(model, speculative=draft)
+    torch.manual_seed(2)
+    out = model.generate(prompt.repeat(rows, 1), attention_mask=torch.ones(rows, 4, dtype=torch.long),
+                         do_sample=True, top_k=0, max_new_tokens=2, pad_token_id=0)
+    observed = torch.bincount(out[:, 4] * vocab + out[:, 5], minlength=vocab * vocab).double()
+    assert 0 < stats(model)["accepted"] < stats(model)["drafted"]
+    assert chi_square_p_value(observed, exact.double() * rows) > 0.001
+
+
+def test_draft_model_must_share_the_vocabulary(llama):
+    other = make_tiny_model("gpt2")
+    other.resize_token_embeddings(4096)
+    with pytest.raises(hf_accel.BackendUnavailableError, match="vocabularies differ"):
+        hf_accel.patch(llama, speculative="draft_model", draft_model=other)
+
+
+def test_self_int8_drafter_is_token_identical(llama):
+    ids, mask = left_padded_batch(llama)
+    expected = greedy(llama, ids, mask, max_new_tokens=20)
+    hf_accel.patch(llama, speculative="self_int8")
+    assert torch.equal(greedy(llama, ids, mask, max_new_tokens=20), expected)
+    details = stats(llama)
+    assert details["accepted"] > 0 and "int8" in details["draft"]

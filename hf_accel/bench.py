@@ -1,0 +1,252 @@
+"""``hf-accel bench``: stock, transformers-native and hf_accel configurations side by side, in one process.
+
+Every configuration runs the same prompts with the same ``max_new_tokens``, greedily, on the same model
+object; hf_accel configurations patch it and unpatch it afterwards. Warm-up (and compile) time is measured
+and reported apart from the timed runs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import patch, report, unpatch
+from .features import FEATURE_NAMES
+from .prompts import Prompt, encode_chat
+
+_ALL_OFF = {name: None for name in FEATURE_NAMES}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One way of running generate. ``patch_kwargs`` is None for configurations that do not use hf_accel."""
+
+    name: str
+    group: str  # "stock", "native" or "hf_accel"
+    generate_kwargs: dict[str, Any] = field(default_factory=dict)
+    patch_kwargs: dict[str, Any] | None = None
+    warmup_each_prompt: bool = False  # compiled configurations recompile for each prompt length
+
+
+@dataclass
+class Row:
+    config: str
+    group: str
+    prompt: str
+    prompt_category: str
+    tokens: int
+    tokens_per_s: float
+    tokens_per_s_min: float
+    tokens_per_s_max: float
+    ttft_s: float
+    warmup_s: float
+    speedup: float = 1.0
+    vs_best_native: float | None = None
+    identical: bool = True
+    acceptance: float | None = None
+    peak_rss_mb: float | None = None
+
+
+def native_static_compile() -> dict[str, Any]:
+    """What a knowledgeable transformers user writes for a compiled decode step: a static cache and
+    ``compile_config`` (allowed on CPU, where transformers does not compile by default)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(mode="default", fullgraph=False)
+    config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config}
+
+
+def default_configs(features_available: set[str], quantize: list[str]) -> list[BenchConfig]:
+    configs = [
+        BenchConfig("stock", "stock"),
+        BenchConfig("native: static cache + compile", "native", native_static_compile(), warmup_each_prompt=True),
+        BenchConfig("native: prompt lookup", "native", {"prompt_lookup_num_tokens": 10}),
+    ]
+    for feature in FEATURE_NAMES:
+        if feature in features_available and feature != "quantize":
+            configs.append(BenchConfig(f"hf_accel {feature} only", "hf_accel",
+                                       patch_kwargs={**_ALL_OFF, feature: "auto"}))
+    configs.append(BenchConfig("hf_accel patch(model)", "hf_accel", patch_kwargs={}))
+    for scheme in quantize:
+        configs.append(BenchConfig(f"hf_accel quantize={scheme}", "hf_accel", patch_kwargs={"quantize": scheme}))
+    return configs
+
+
+class _FirstToken:
+    """A streamer that only notes when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.calls, self.first_at = 0, None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first_at is None:  # the first put is the prompt
+            self.first_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _timed(model, inputs, max_new_tokens: int, kwargs: dict[str, Any]) -> tuple[torch.Tensor, float, float]:
+    streamer = _FirstToken()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer, **kwargs)
+    seconds = time.perf_counter() - start
+    ttft = (streamer.first_at or time.perf_counter()) - start
+    return out[:, inputs["input_ids"].shape[1]:], seconds, ttft
+
+
+def _peak_rss_reset() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _acceptance(model) -> tuple[int, int]:
+    details = report(model)["speculative"].details
+    return details.get("drafted", 0), details.get("accepted", 0)
+
+
+def run_bench(model, tokenizer, prompts: list[Prompt], configs: list[BenchConfig], max_new_tokens: int = 128,
+              repeat: int = 1, progress: Callable[[str], None] | None = None) -> list[Row]:
+    """Run every configuration on every prompt; rows come back with ratios and identity filled in."""
+    encoded = [encode_chat(tokenizer, p.prompt, model.device) for p in prompts]
+    rows: list[Row] = []
+    stock_tokens: dict[str, torch.Tensor] = {}
+    for config in configs:
+        rows += _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_tokens, progress)
+    _fill_ratios(rows)
+    return rows
+
+
+def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_tokens, progress) -> list[Row]:
+    _peak_rss_reset()
+    start = time.perf_counter()
+    if config.patch_kwargs is not None:
+        patch(model, **config.patch_kwargs)
+    setup = time.perf_counter() - start
+    rows = []
+    try:
+        warm = _warm_up(model, encoded[0], config, max_new_tokens) + setup
+        for prompt, inputs in zip(prompts, encoded):
+            if progress:
+                progress(f"{config.name} / {prompt.category}:{prompt.name}")
+            if config.warmup_each_prompt and inputs is not encoded[0]:
+                warm = _warm_up(model, inputs, config, max_new_tokens)
+            before = _acceptance(model) if config.patch_kwargs is not None else (0, 0)
+            runs = [_timed(model, inputs, max_new_tokens, config.generate_kwargs) for _ in range(repeat)]
+            after = _acceptance(model) if config.patch_kwargs is not None else (0, 0)
+            tokens = runs[0][0]
+            speeds = [t.shape[-1] / s for t, s, _ in runs]
+            key = f"{prompt.category}:{prompt.name}"
+            if config.group == "stock":
+                stock_tokens[key] = tokens
+            drafted = after[0] - before[0]
+            rows.append(Row(
+                config=config.name, group=config.group, prompt=key, prompt_category=prompt.category,
+                tokens=tokens.shape[-1], tokens_per_s=statistics.median(speeds), tokens_per_s_min=min(speeds),
+                tokens_per_s_max=max(speeds), ttft_s=statistics.median(r[2] for r in runs), warmup_s=warm,
+                identical=key in stock_tokens and torch.equal(tokens, stock_tokens[key]),
+                acceptance=(after[1] - before[1]) / drafted if drafted else None, peak_rss_mb=None))
+            warm = 0.0
+        peak = _peak_rss_mb()
+        for row in rows:
+            row.peak_rss_mb = peak
+    finally:
+        if config.patch_kwargs is not None:
+            unpatch(model)
+    return rows
+
+
+def _warm_up(model, inputs, config: BenchConfig, max_new_tokens: int) -> float:
+    """Untimed first call(s): compiled configurations compile for this prompt's shapes here."""
+    start = time.perf_counter()
+    _timed(model, inputs, max_new_tokens if config.warmup_each_prompt else 8, config.generate_kwargs)
+    return time.perf_counter() - start
+
+
+def _fill_ratios(rows: list[Row]) -> None:
+    stock = {r.prompt: r.tokens_per_s for r in rows if r.group == "stock"}
+    native: dict[str, float] = {}
+    for r in rows:
+        if r.group == "native":
+            native[r.prompt] = max(native.get(r.prompt, 0.0), r.tokens_per_s)
+    for r in rows:
+        r.speedup = r.tokens_per_s / stock[r.prompt] if r.prompt in stock else float("nan")
+        r.vs_best_native = r.tokens_per_s / native[r.prompt] if r.prompt in native else None
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ("config", "prompt", "tok/s", "min-max", "TTFT s", "warm-up s", "vs stock", "vs native", "accept",
+              "peak RSS MB", "identical")
+    lines = [header]
+    for r in rows:
+        lines.append((r.config, r.prompt, f"{r.tokens_per_s:.1f}", f"{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}",
+                      f"{r.ttft_s:.2f}", f"{r.warmup_s:.1f}", f"{r.speedup:.2f}x",
+                      "-" if r.vs_best_native is None else f"{r.vs_best_native:.2f}x",
+                      "-" if r.acceptance is None else f"{r.acceptance:.0%}",
+                      "-" if r.peak_rss_mb is None else f"{r.peak_rss_mb:.0f}", "yes" if r.identical else "no"))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+    out = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
+    out.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
+    return "\n".join(out)
+
+
+def summary_table(rows: list[Row]) -> str:
+    """Per configuration: geometric-mean speedup over the prompts, and whether every output was identical."""
+    by_config: dict[str, list[Row]] = {}
+    for r in rows:
+        by_config.setdefault(r.config, []).append(r)
+    lines = ["| config | mean tok/s | speedup (geo-mean) | identical |", "| --- | --- | --- | --- |"]
+    for name, group in by_config.items():
+        geo = statistics.geometric_mean(r.speedup for r in group)
+        tps = statistics.mean(r.tokens_per_s for r in group)
+        same = sum(r.identical for r in group)
+        lines.append(f"| {name} | {tps:.1f} | {geo:.2f}x | {same}/{len(group)} |")
+    return "\n".join(lines)
+
+
+def write_json(rows: list[Row], path: str | Path) -> None:
+    Path(path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+def plot(rows: list[Row], path: str | Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ValueError("--plot needs matplotlib: pip install 'hf_accel[plot]'") from exc
+    configs = list(dict.fromkeys(r.config for r in rows))
+    prompts = list(dict.fromkeys(r.prompt for r in rows))
+    speed = {(r.config, r.prompt): r.tokens_per_s for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(prompts) * len(configs) / 3), 5))
+    width = 0.8 / len(configs)
+    for i, config in enumerate(configs):
+        xs = [p + i * width for p in range(len(prompts))]
+        ax.bar(xs, [speed.get((config, p), 0) for p in prompts], width, label=config)
+    ax.set_xticks([p + 0.4 - width / 2 for p in range(len(prompts))], prompts, rotation=20, ha="right")
+    ax.set_ylabel("tokens/s (greedy)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
