@@ -25,8 +25,24 @@ class GenerateCall:
     kwargs: dict[str, Any]
 
     def run_stock(self, **overrides: Any) -> Any:
-        """The model's original ``generate`` with the user's arguments (and ``overrides``)."""
-        return self.state.original_generate(*self.args, **{**self.kwargs, **overrides})
+        """The model's original ``generate`` with the user's arguments (and ``overrides``), using the
+        patch's KV cache unless the call brings its own cache or cache implementation."""
+        kwargs = {**self.kwargs, **overrides}
+        cache = self.reusable_cache()
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+        return self.state.original_generate(*self.args, **kwargs)
+
+    def reusable_cache(self) -> Any:
+        """The patch's KV cache, emptied, if this call may use it; else None."""
+        cache = self.state.kv_cache
+        config = self.kwargs.get("generation_config")
+        if cache is None or self.kwargs.get("past_key_values") is not None or "cache_implementation" in self.kwargs:
+            return None
+        if getattr(config or self.model.generation_config, "cache_implementation", None) is not None:
+            return None
+        cache.reset()
+        return cache
 
 
 def make_patched_generate(model: PreTrainedModel, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -40,12 +40,12 @@ class PreallocatedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self._keys.shape[0]:  # a call with another batch size: start over
+            self._keys = self._values = None
+            self.length = 0
+            self._allocate(key_states, value_states, max(key_states.shape[-2], self.capacity))
         start, end = self.length, self.length + key_states.shape[-2]
-        if end > self.capacity or key_states.shape[0] != self._keys.shape[0]:
-            if key_states.shape[0] != self._keys.shape[0]:
-                self._keys = self._values = None
-                start, end = 0, key_states.shape[-2]
-                self.length = 0
+        if end > self.capacity:
             self._allocate(key_states, value_states, max(end, 2 * self.capacity))
         self._keys[:, :, start:end] = key_states
         self._values[:, :, start:end] = value_states

@@ -132,8 +132,8 @@ class SpeculativeLoop:
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter, config: GenerationConfig,
                  processors: LogitsProcessorList, stopping: StoppingCriteriaList | None, streamer: Any,
-                 max_new_tokens: int, draft_length: DraftLength) -> None:
-        self.target = CachedLM(model)
+                 max_new_tokens: int, draft_length: DraftLength, cache: Any = None) -> None:
+        self.target = CachedLM(model, cache)
         self.drafter = drafter
         self.config = config
         self.processors = processors
@@ -444,7 +444,7 @@ class SpeculativeRunner:
             return self._fallback(call, plan)
         drafter = self.make_drafter(call.model, plan.config)
         loop = SpeculativeLoop(call.model, drafter, plan.config, plan.processors, plan.stopping, plan.streamer,
-                               plan.max_new_tokens, self.draft_length)
+                               plan.max_new_tokens, self.draft_length, cache=call.reusable_cache())
         with torch.no_grad():
             loop.run(plan.input_ids, plan.attention_mask)
         for name in ("target_forwards", "drafted", "accepted", "generated"):

@@ -33,6 +33,8 @@ class PatchState:
     changes: list[Changes] = field(default_factory=list)
     #: A loop that replaces stock generate (set by a speculative backend), or None.
     runner: Callable[[GenerateCall], Any] | None = None
+    #: The KV cache every generate call reuses (set by a kv_cache backend), or None for transformers' default.
+    kv_cache: Any = None
 
     def __repr__(self) -> str:
         return f"<PatchState of {type(self.model).__name__}: {len(self.changes)} backends applied>"

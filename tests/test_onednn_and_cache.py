@@ -83,3 +83,37 @@ def test_preallocated_cache_is_reused_after_reset(llama):
     cache.reset()
     out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, past_key_values=cache)
     assert torch.equal(out, expected) and all(a is layer._keys for a, layer in zip(buffers, cache.layers))
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_static_kv_cache_is_token_identical_and_reused(tiny_model, speculative):
+    ids, mask = left_padded_batch(tiny_model)
+    short, short_mask = left_padded_batch(tiny_model, (4, 2, 3), seed=5)
+    expected = [tiny_model.generate(input_ids=i, attention_mask=m, max_new_tokens=n, do_sample=False)
+                for i, m, n in [(ids, mask, 30), (short, short_mask, 7)]]
+    hf_accel.patch(tiny_model, kv_cache="static", compile=None, speculative=speculative, cache_capacity=64)
+    cache = tiny_model._hf_accel_state.kv_cache
+    got = [tiny_model.generate(input_ids=i, attention_mask=m, max_new_tokens=n, do_sample=False)
+           for i, m, n in [(ids, mask, 30), (short, short_mask, 7)]]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert tiny_model._hf_accel_state.kv_cache is cache and cache.capacity == 256  # 64 rounded up, never grown
+
+
+def test_static_kv_cache_grows_for_a_long_call():
+    model = make_tiny_model("mistral")
+    ids, mask = left_padded_batch(model, (300,))
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    hf_accel.patch(model, kv_cache="static", speculative=None, cache_capacity=16)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False), expected)
+    assert model._hf_accel_state.kv_cache.capacity >= 320
+
+
+def test_a_call_with_its_own_cache_is_left_alone(llama):
+    from transformers import DynamicCache
+
+    hf_accel.patch(llama, kv_cache="static", speculative=None)
+    ids, mask = left_padded_batch(llama, (5,))
+    own, ours = DynamicCache(), llama._hf_accel_state.kv_cache.layers[0]
+    before = ours.length
+    llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, past_key_values=own)
+    assert own.get_seq_length() > 0 and ours.length == before
