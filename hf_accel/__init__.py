@@ -11,7 +11,7 @@ from .backends import Backend, Capabilities, PatchContext
 from .errors import BackendUnavailableError, PatchError, VerificationError
 from .features import FEATURE_NAMES, FEATURES
 from .hookspecs import hookimpl
-from .patching import BackendStatus, available_backends, patch, report, unpatch
+from .patching import BackendStatus, available_backends, check_arguments, patch, report, unpatch
 from .report import FeatureReport, PatchReport
 
 __version__ = "0.1.0"
@@ -19,5 +19,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend", "BackendStatus", "BackendUnavailableError", "Capabilities", "FEATURES", "FEATURE_NAMES",
     "FeatureReport", "PatchContext", "PatchError", "PatchReport", "VerificationError", "available_backends",
+    "check_arguments",
     "hookimpl", "patch", "report", "unpatch",
 ]

@@ -127,13 +127,17 @@ def _acceptance(model) -> tuple[int, int]:
 
 
 def run_bench(model, tokenizer, prompts: list[Prompt], configs: list[BenchConfig], max_new_tokens: int = 128,
-              repeat: int = 1, progress: Callable[[str], None] | None = None) -> list[Row]:
-    """Run every configuration on every prompt; rows come back with ratios and identity filled in."""
+              repeat: int = 1, progress: Callable[[str], None] | None = None,
+              llama_cpp_gguf: str | Path | None = None) -> list[Row]:
+    """Run every configuration on every prompt (then llama.cpp on the GGUF file, if given); rows come back
+    with ratios and identity to stock filled in."""
     encoded = [encode_chat(tokenizer, p.prompt, model.device) for p in prompts]
     rows: list[Row] = []
     stock_tokens: dict[str, torch.Tensor] = {}
     for config in configs:
         rows += _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_tokens, progress)
+    if llama_cpp_gguf is not None:
+        rows += run_llama_cpp(llama_cpp_gguf, encoded, prompts, max_new_tokens, repeat, stock_tokens, progress)
     _fill_ratios(rows)
     return rows
 
@@ -182,6 +186,52 @@ def _warm_up(model, inputs, config: BenchConfig, max_new_tokens: int) -> float:
     start = time.perf_counter()
     _timed(model, inputs, max_new_tokens if config.warmup_each_prompt else 8, config.generate_kwargs)
     return time.perf_counter() - start
+
+
+def run_llama_cpp(gguf_file: str | Path, encoded: list[dict[str, torch.Tensor]], prompts: list[Prompt],
+                  max_new_tokens: int, repeat: int, stock_tokens: dict[str, torch.Tensor],
+                  progress: Callable[[str], None] | None = None) -> list[Row]:
+    """The same prompt token ids through llama.cpp (``llama-cpp-python``) on the same GGUF file, greedy,
+    with as many threads as torch uses. Its weights stay in the file's quantized format, so its tokens are
+    not expected to equal the fp32 model's; ``identical`` says whether they do."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as exc:
+        raise ValueError("--against llama.cpp needs llama-cpp-python: pip install llama-cpp-python") from exc
+    _peak_rss_reset()
+    start = time.perf_counter()
+    llm = Llama(model_path=str(gguf_file), n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False)
+    load_s = time.perf_counter() - start
+    rows = []
+    for prompt, inputs in zip(prompts, encoded):
+        key = f"{prompt.category}:{prompt.name}"
+        if progress:
+            progress(f"llama.cpp / {key}")
+        ids = inputs["input_ids"][0].tolist()
+        runs = [_llama_cpp_once(llm, ids, max_new_tokens) for _ in range(repeat)]
+        speeds = [len(tokens) / seconds for tokens, seconds, _ in runs]
+        tokens = runs[0][0]
+        reference = stock_tokens[key][0].tolist() if key in stock_tokens else None
+        rows.append(Row(config="llama.cpp (GGUF as shipped)", group="other", prompt=key,
+                        prompt_category=prompt.category, tokens=len(tokens), tokens_per_s=statistics.median(speeds),
+                        tokens_per_s_min=min(speeds), tokens_per_s_max=max(speeds),
+                        ttft_s=statistics.median(r[2] for r in runs), warmup_s=load_s,
+                        identical=reference is not None and tokens == reference))
+        load_s = 0.0
+    peak = _peak_rss_mb()
+    for row in rows:
+        row.peak_rss_mb = peak
+    return rows
+
+
+def _llama_cpp_once(llm, ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float]:
+    start, first, tokens = time.perf_counter(), None, []
+    for token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+        first = first or time.perf_counter()
+        tokens.append(int(token))
+        if token == llm.token_eos() or len(tokens) >= max_new_tokens:
+            break
+    return tokens, time.perf_counter() - start, (first or time.perf_counter()) - start
 
 
 def _fill_ratios(rows: list[Row]) -> None:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import platform
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from . import __version__, available_backends, patch, report
-from .models import ModelNotFoundError, load_default_model, load_model
+from . import __version__, available_backends, check_arguments, patch, report
+from .models import ModelNotFoundError, default_model_file, load_default_model, load_model
 from .prompts import encode_chat, load_prompts
 from .timing import timed_generate
 
@@ -53,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=1, help="timed runs per prompt; the median is reported")
     bench.add_argument("--configs", help="comma-separated substrings: run only configurations whose name matches")
     bench.add_argument("--quantize", default="", help="comma-separated quantize schemes to add (e.g. int8,int4)")
+    bench.add_argument("--against", choices=["llama.cpp"], help="also run the GGUF model in llama.cpp")
     bench.add_argument("--json", help="write the rows to this JSON file")
     bench.add_argument("--plot", help="save a bar chart PNG here (needs matplotlib)")
     bench.set_defaults(func=cmd_bench)
@@ -62,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_arguments(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--no-patch", action="store_true", help="run stock transformers")
+    for feature, default in (("attention", "auto"), ("kv-cache", "auto"), ("compile", "auto"),
+                             ("speculative", "auto"), ("quantize", "none")):
+        gen.add_argument(f"--{feature}", default=default, help=f"backend name, auto or none (default {default})")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.set_defaults(func=cmd_generate)
     return parser
@@ -70,6 +76,17 @@ def _parser() -> argparse.ArgumentParser:
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="a local model directory or .gguf file (default: embedded SmolLM2-135M)")
     parser.add_argument("--gguf-file", help="the GGUF file inside --model")
+
+
+def _gguf_path(args: argparse.Namespace) -> Path:
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise CLIError("--against llama.cpp needs llama-cpp-python: pip install llama-cpp-python")
+    if args.model is None:
+        return default_model_file()
+    path = Path(args.model) / args.gguf_file if args.gguf_file else Path(args.model)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise CLIError(f"--against llama.cpp needs a GGUF model; {path} is not a .gguf file")
+    return path
 
 
 def _load(args: argparse.Namespace):
@@ -143,14 +160,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.configs:
         wanted = [w.strip() for w in args.configs.split(",")]
         configs = [c for c in configs if c.group == "stock" or any(w in c.name for w in wanted)]
+    gguf = _gguf_path(args) if args.against else None
     model, tokenizer = _load(args)
-    bar = tqdm(total=len(configs) * len(prompts), desc="bench", unit="run")
+    bar = tqdm(total=(len(configs) + bool(gguf)) * len(prompts), desc="bench", unit="run")
 
     def progress(label: str) -> None:
         bar.set_postfix_str(label[:60])
         bar.update(1)
 
-    rows = run_bench(model, tokenizer, prompts, configs, args.max_new_tokens, args.repeat, progress)
+    rows = run_bench(model, tokenizer, prompts, configs, args.max_new_tokens, args.repeat, progress, gguf)
     bar.close()
     print(f"\n{summary_table(rows)}\n\n{format_table(rows)}")
     if args.json:
@@ -170,9 +188,12 @@ def _one_per_category(prompts):
 def cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
+    choices = {f: getattr(args, f) for f in ("attention", "kv_cache", "compile", "speculative", "quantize")}
+    choices = {f: None if value.lower() == "none" else value for f, value in choices.items()}
+    check_arguments(**choices)
     model, tokenizer = _load(args)
     if not args.no_patch:
-        patch(model)
+        patch(model, **choices)
     inputs = encode_chat(tokenizer, args.prompt, model.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
     result = timed_generate(model, inputs, args.max_new_tokens, streamer=streamer)

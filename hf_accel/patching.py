@@ -132,6 +132,22 @@ def available_backends() -> list[BackendStatus]:
     return sorted(rows, key=lambda r: (order[r.feature], -r.priority, r.name))
 
 
+def check_arguments(plugins: Iterable[Any] = (), **arguments: Any) -> None:
+    """Raise the ``ValueError`` that ``patch(model, **arguments)`` would raise for an unknown backend or
+    option, without a model (e.g. before spending time loading one).
+
+    Example::
+
+        >>> hf_accel.check_arguments(attention="flashy")
+        Traceback (most recent call last):
+        ValueError: Unknown attention backend 'flashy'; valid values: None, 'auto', 'eager', 'sdpa'. ...
+    """
+    requests = {f: arguments.pop(f) for f in FEATURE_NAMES if f in arguments}
+    arguments.pop("verify", None)
+    with extra_plugins(plugins) as pm:
+        _validate(requests, arguments, BackendRegistry.collect(pm))
+
+
 def _validate(requests: Mapping[str, Any], options: Mapping[str, Any], registry: BackendRegistry) -> None:
     for feature, request in requests.items():
         if isinstance(request, str) and request not in registry.valid_requests(feature):

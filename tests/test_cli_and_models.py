@@ -44,3 +44,58 @@ def test_bad_prompts_file_says_which_line(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(ValueError, match=message):
         load_prompts(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny llama and a word-level tokenizer saved as a local model directory."""
+    from conftest import VOCAB, make_tiny_model
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny")
+    words = ["[UNK]", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", bos_token="<s>",
+                                        eos_token="</s>", pad_token="[UNK]")
+    tokenizer.save_pretrained(path)
+    make_tiny_model("llama").save_pretrained(path)
+    return path
+
+
+def test_bench_runs_side_by_side_and_writes_json(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    code = main(["bench", "--model", str(tiny_model_dir), "--max-new-tokens", "6", "--repeat", "2",
+                 "--configs", "prompt lookup,speculative only,patch(model)", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())
+    configs = {r["config"] for r in rows}
+    assert configs == {"stock", "native: prompt lookup", "hf_accel speculative only", "hf_accel patch(model)"}
+    for row in rows:
+        assert {"config", "tokens_per_s", "speedup", "identical", "prompt_category"} <= row.keys()
+        assert row["tokens_per_s"] > 0 and row["identical"] is True
+    assert {r["prompt_category"] for r in rows} == set(CATEGORIES)
+    printed = capsys.readouterr().out
+    assert "speedup (geo-mean)" in printed and "hf_accel patch(model)" in printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--model", "/no/such/dir"], "No model directory"),
+    (["bench", "--prompts", "/no/such/file.jsonl"], "No prompts file"),
+    (["bench", "--quantize", "int3"], "quantize"),
+    (["bench", "--repeat", "0"], "at least 1"),
+    (["generate", "--prompt", "hi", "--attention", "flashy"], "Unknown attention backend 'flashy'"),
+    (["generate", "--prompt", "hi", "--speculative", "telepathy"], "Unknown speculative backend"),
+])
+def test_cli_argument_errors_are_one_clear_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_bench_rejects_a_malformed_prompts_file(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\nnot json\n')
+    assert main(["bench", "--prompts", str(bad)]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err

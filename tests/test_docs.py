@@ -6,6 +6,8 @@ import inspect
 import re
 from pathlib import Path
 
+import pytest
+
 from hf_accel import hookspecs
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -30,3 +32,22 @@ def test_every_hookspec_is_prefixed_typed_and_documented_in_code():
     for name, fn in hookspec_functions().items():
         assert fn.__doc__ and ":param" in fn.__doc__, name
         assert all(p.annotation is not inspect.Parameter.empty for p in inspect.signature(fn).parameters.values())
+
+
+ROOT = DOCS.parent
+RUNNABLE = re.compile(r"^```python run\n(.*?)^```", flags=re.M | re.S)
+
+
+def runnable_blocks():
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for number, code in enumerate(RUNNABLE.findall(path.read_text()), start=1):
+            yield pytest.param(code, id=f"{path.name}#{number}")
+
+
+@pytest.mark.parametrize("code", list(runnable_blocks()))
+def test_runnable_code_blocks_run(code):
+    exec(compile(code, "<doc block>", "exec"), {"__name__": "__doc_block__"})
+
+
+def test_docs_have_runnable_blocks():
+    assert len(list(runnable_blocks())) >= 2

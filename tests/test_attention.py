@@ -1,0 +1,108 @@
+"""Attention backends against eager: logits on real tokens, greedy tokens, and the flash-attn wiring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import left_padded_batch, make_tiny_model
+from flash_reference import ReferenceFlashAttn
+
+import hf_accel
+from hf_accel_plugins import attention_flash
+
+SHAPES = {"batch1-len1": (1,), "batch1-len17": (17,), "batch1-len300": (300,), "batch3-left-padded": (17, 5, 11),
+          "batch3-long": (300, 40, 120)}
+BACKENDS = ["sdpa", "sdpa_flash", "flash_attn"]
+
+
+@pytest.fixture
+def reference_kernels():
+    kernels = ReferenceFlashAttn()
+    with attention_flash.injected_kernels(kernels):
+        yield kernels
+
+
+def logits_on_real_tokens(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_backend_logits_match_eager(arch, backend, shape, reference_kernels):
+    model = make_tiny_model(arch)
+    ids, mask = left_padded_batch(model, SHAPES[shape])
+    hf_accel.patch(model, attention="eager", kv_cache=None, compile=None, speculative=None)
+    expected = logits_on_real_tokens(model, ids, mask)
+    hf_accel.unpatch(model)
+    try:
+        hf_accel.patch(model, attention=backend, kv_cache=None, compile=None, speculative=None)
+    except hf_accel.BackendUnavailableError as exc:
+        assert backend == "sdpa" or "soft-capping" in str(exc)  # sdpa cannot softcap (gemma2)
+        pytest.skip(str(exc))
+    torch.testing.assert_close(logits_on_real_tokens(model, ids, mask), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_greedy_generate_is_token_identical(tiny_model, backend, reference_kernels):
+    ids, mask = left_padded_batch(tiny_model, (23, 9, 14))
+    expected = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    try:
+        hf_accel.patch(tiny_model, attention=backend, speculative=None)
+    except hf_accel.BackendUnavailableError:
+        pytest.skip("backend cannot serve this architecture")
+    assert hf_accel.report(tiny_model)["attention"].backend == backend
+    out = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, expected)
+
+
+def test_flash_attn_adapter_unpads_to_cu_seqlens(reference_kernels):
+    model = make_tiny_model("llama")
+    ids, mask = left_padded_batch(model, (7, 3, 5))
+    hf_accel.patch(model, attention="flash_attn", kv_cache=None, compile=None, speculative=None, verify=False)
+    logits_on_real_tokens(model, ids, mask)
+    varlen = [c for c in reference_kernels.calls if c["kind"] == "varlen"]
+    assert len(varlen) == model.config.num_hidden_layers
+    call = varlen[0]
+    assert call["cu_seqlens_q"] == call["cu_seqlens_k"] == [0, 7, 10, 15]
+    assert call["max_seqlen_q"] == 7 and call["q"] == (15, 4, 16) and call["k"] == (15, 2, 16)  # GQA kept
+    assert call["causal"] and call["window_size"] == (-1, -1) and call["softcap"] == 0.0
+
+
+def test_flash_attn_adapter_passes_window_and_softcap(reference_kernels):
+    model = make_tiny_model("gemma2")  # window 16, attention softcap 50
+    ids, mask = left_padded_batch(model, (40,))
+    hf_accel.patch(model, attention="flash_attn", kv_cache=None, compile=None, speculative=None, verify=False)
+    logits_on_real_tokens(model, ids, torch.ones_like(mask))
+    windows = {c["window_size"] for c in reference_kernels.calls}
+    assert windows == {(15, 0), (-1, -1)}  # gemma2 alternates sliding and global layers
+    assert {c["softcap"] for c in reference_kernels.calls} == {50.0}
+    assert {c["kind"] for c in reference_kernels.calls} == {"dense"}  # nothing padded: the dense kernel
+
+
+def test_flash_attn_decode_step_with_cache_is_bottom_right_causal(reference_kernels):
+    model = make_tiny_model("qwen2")
+    ids, mask = left_padded_batch(model, (12, 6))
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    hf_accel.patch(model, attention="flash_attn", compile=None, speculative=None)
+    reference_kernels.calls.clear()
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False), expected)
+    decode = [c for c in reference_kernels.calls if c["max_seqlen_q"] == 1]
+    assert decode and decode[-1]["max_seqlen_k"] == 12 + 4  # one query against the whole cache
+
+
+def test_flash_attn_without_the_package_says_what_to_install(llama):
+    if attention_flash.flash_kernels() is not None:
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(hf_accel.BackendUnavailableError, match=r"flash-attn.*pip install 'hf_accel\[flash\]'"):
+        hf_accel.patch(llama, attention="flash_attn")
+    status = {b.name: b for b in hf_accel.available_backends()}["flash_attn"]
+    assert not status.available and "CUDA" in status.reason
+
+
+def test_sdpa_flash_runs_the_flash_kernel_for_masked_chunks_on_cpu(llama):
+    attention_flash.KERNEL_CALLS.clear()
+    ids, mask = left_padded_batch(llama, (9, 4))
+    hf_accel.patch(llama, attention="sdpa_flash", speculative=None)
+    llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert set(attention_flash.KERNEL_CALLS) == {"flash_attention"}
