@@ -55,10 +55,18 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=1, help="timed runs per prompt; the median is reported")
     bench.add_argument("--configs", help="comma-separated substrings: run only configurations whose name matches")
     bench.add_argument("--quantize", default="", help="comma-separated quantize schemes to add (e.g. int8,int4)")
+    bench.add_argument("--patch", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                       help="add a configuration patch(model, KEY=VALUE, ...); repeatable, e.g. speculative=self_int8")
     bench.add_argument("--against", choices=["llama.cpp"], help="also run the GGUF model in llama.cpp")
     bench.add_argument("--json", help="write the rows to this JSON file")
     bench.add_argument("--plot", help="save a bar chart PNG here (needs matplotlib)")
     bench.set_defaults(func=cmd_bench)
+
+    attn = sub.add_parser("bench-attention", help="prefill attention per backend: time and extra memory")
+    attn.add_argument("--lengths", default="512,2048,8192", help="comma-separated sequence lengths")
+    attn.add_argument("--repeat", type=int, default=3)
+    attn.add_argument("--queries", type=int, help="time a masked chunk of this many new tokens instead of prefill")
+    attn.set_defaults(func=cmd_bench_attention)
 
     gen = sub.add_parser("generate", help="generate from one prompt, then print tokens/s and the report")
     gen.add_argument("--prompt", required=True)
@@ -156,7 +164,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
     if quantize and "quantize" not in available:
         raise CLIError("--quantize: no quantize backend can run here (see `hf-accel doctor`)")
-    configs = default_configs(available, quantize)
+    configs = default_configs(available, quantize) + [_patch_config(text) for text in args.patch]
     if args.configs:
         wanted = [w.strip() for w in args.configs.split(",")]
         configs = [c for c in configs if c.group == "stock" or any(w in c.name for w in wanted)]
@@ -176,6 +184,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot(rows, args.plot)
     return 0
+
+
+def cmd_bench_attention(args: argparse.Namespace) -> int:
+    from .bench_attention import bench_attention, format_attention_table
+
+    try:
+        lengths = [int(n) for n in args.lengths.split(",")]
+    except ValueError:
+        raise CLIError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
+    if args.repeat < 1 or any(n < 1 for n in lengths):
+        raise CLIError("--repeat and every length must be at least 1")
+    print(format_attention_table(bench_attention(lengths, repeat=args.repeat, queries=args.queries)))
+    return 0
+
+
+def _patch_config(text: str):
+    """``--patch speculative=self_int8,compile=none`` as a bench configuration, checked before any loading."""
+    from .bench import BenchConfig
+
+    kwargs = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CLIError(f"--patch expects KEY=VALUE pairs, got {item!r}")
+        value = value.strip()
+        kwargs[key.strip()] = None if value.lower() == "none" else int(value) if value.isdigit() else value
+    check_arguments(**kwargs)
+    return BenchConfig(f"hf_accel patch({text})", "hf_accel", patch_kwargs=kwargs)
 
 
 def _one_per_category(prompts):

@@ -99,3 +99,46 @@ def test_bench_rejects_a_malformed_prompts_file(tmp_path, capsys):
     bad.write_text('{"prompt": "fine"}\nnot json\n')
     assert main(["bench", "--prompts", str(bad)]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [[], ["--queries", "4"]], ids=["prefill", "masked-chunk"])
+def test_bench_attention_times_every_available_backend(capsys, extra):
+    assert main(["bench-attention", "--lengths", "32,64", "--repeat", "1", *extra]) == 0
+    out = capsys.readouterr().out
+    for name in ("eager", "sdpa", "sdpa_flash"):
+        assert f"| {name} |" in out
+    assert "64 tokens" in out
+
+
+def test_bench_attention_rejects_bad_lengths(capsys):
+    assert main(["bench-attention", "--lengths", "64,lots"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_generate_streams_and_reports(tiny_model_dir, capsys):
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "w1 w2 w3 w1 w2", "--max-new-tokens", "5",
+                 "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "hf_accel report" in out
+
+
+def test_bench_plot_writes_a_png(tiny_model_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    assert main(["bench", "--model", str(tiny_model_dir), "--max-new-tokens", "3", "--configs", "patch(model)",
+                 "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_patch_option_adds_a_configuration(tiny_model_dir, tmp_path):
+    out = tmp_path / "rows.json"
+    assert main(["bench", "--model", str(tiny_model_dir), "--max-new-tokens", "4", "--configs", "num_draft",
+                 "--patch", "speculative=ngram,num_draft_tokens=4,compile=none", "--json", str(out)]) == 0
+    configs = {r["config"] for r in json.loads(out.read_text())}
+    assert configs == {"stock", "hf_accel patch(speculative=ngram,num_draft_tokens=4,compile=none)"}
+
+
+@pytest.mark.parametrize("value, message", [("speculative", "KEY=VALUE"), ("speculative=warp", "Unknown speculative")])
+def test_bench_patch_option_errors(value, message, capsys):
+    assert main(["bench", "--patch", value]) == 2
+    assert message in capsys.readouterr().err

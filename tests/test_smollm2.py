@@ -38,3 +38,14 @@ def test_patched_greedy_output_equals_stock(smollm2):
             assert torch.equal(greedy(model, x), want)
     finally:
         hf_accel.unpatch(model)
+
+
+def test_the_example_script_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "one_line_patch.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "hf_accel report" in result.stdout
