@@ -19,6 +19,8 @@ import torch
 from . import patch, report, unpatch
 from .features import FEATURE_NAMES
 from .prompts import Prompt, encode_chat
+from .quality import perplexity
+from .quantize import tensor_bytes
 
 _ALL_OFF = {name: None for name in FEATURE_NAMES}
 
@@ -51,6 +53,8 @@ class Row:
     identical: bool = True
     acceptance: float | None = None
     peak_rss_mb: float | None = None
+    perplexity: float | None = None  # on hf_accel/data/eval.txt; stock and quantized configurations
+    weight_mb: float | None = None  # parameters and quantized buffers; stock and quantized configurations
 
 
 def native_static_compile() -> dict[str, Any]:
@@ -75,7 +79,10 @@ def default_configs(features_available: set[str], quantize: list[str]) -> list[B
                                        patch_kwargs={**_ALL_OFF, feature: "auto"}))
     configs.append(BenchConfig("hf_accel patch(model)", "hf_accel", patch_kwargs={}))
     for scheme in quantize:
-        configs.append(BenchConfig(f"hf_accel quantize={scheme}", "hf_accel", patch_kwargs={"quantize": scheme}))
+        configs.append(BenchConfig(f"hf_accel quantize={scheme} only", "hf_accel",
+                                   patch_kwargs={**_ALL_OFF, "quantize": scheme, "keep_original": True}))
+        configs.append(BenchConfig(f"hf_accel patch(model, quantize={scheme})", "hf_accel",
+                                   patch_kwargs={"quantize": scheme, "keep_original": True}))
     return configs
 
 
@@ -135,14 +142,17 @@ def run_bench(model, tokenizer, prompts: list[Prompt], configs: list[BenchConfig
     rows: list[Row] = []
     stock_tokens: dict[str, torch.Tensor] = {}
     for config in configs:
-        rows += _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_tokens, progress)
+        config_rows = _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_tokens, progress,
+                                  tokenizer)
+        rows += config_rows
     if llama_cpp_gguf is not None:
         rows += run_llama_cpp(llama_cpp_gguf, encoded, prompts, max_new_tokens, repeat, stock_tokens, progress)
     _fill_ratios(rows)
     return rows
 
 
-def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_tokens, progress) -> list[Row]:
+def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_tokens, progress,
+                tokenizer) -> list[Row]:
     _peak_rss_reset()
     start = time.perf_counter()
     if config.patch_kwargs is not None:
@@ -173,12 +183,22 @@ def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_t
                 acceptance=(after[1] - before[1]) / drafted if drafted else None, peak_rss_mb=None))
             warm = 0.0
         peak = _peak_rss_mb()
+        quality = _quality(model, tokenizer) if config.group == "stock" or _quantized(config) else (None, None)
         for row in rows:
             row.peak_rss_mb = peak
+            row.perplexity, row.weight_mb = quality
     finally:
         if config.patch_kwargs is not None:
             unpatch(model)
     return rows
+
+
+def _quantized(config: BenchConfig) -> bool:
+    return bool((config.patch_kwargs or {}).get("quantize"))
+
+
+def _quality(model, tokenizer) -> tuple[float, float]:
+    return perplexity(model, tokenizer), tensor_bytes(model) / 2**20
 
 
 def _warm_up(model, inputs, config: BenchConfig, max_new_tokens: int) -> float:
@@ -266,12 +286,18 @@ def summary_table(rows: list[Row]) -> str:
     by_config: dict[str, list[Row]] = {}
     for r in rows:
         by_config.setdefault(r.config, []).append(r)
-    lines = ["| config | mean tok/s | speedup (geo-mean) | identical |", "| --- | --- | --- | --- |"]
+    quality = any(r.perplexity is not None for r in rows)
+    head = "| config | mean tok/s | speedup (geo-mean) | identical |" + (" perplexity | weights MB |" if quality else "")
+    lines = [head, "| --- " * (4 + 2 * quality) + "|"]
     for name, group in by_config.items():
         geo = statistics.geometric_mean(r.speedup for r in group)
         tps = statistics.mean(r.tokens_per_s for r in group)
         same = sum(r.identical for r in group)
-        lines.append(f"| {name} | {tps:.1f} | {geo:.2f}x | {same}/{len(group)} |")
+        line = f"| {name} | {tps:.1f} | {geo:.2f}x | {same}/{len(group)} |"
+        if quality:
+            ppl, mb = group[0].perplexity, group[0].weight_mb
+            line += f" {'-' if ppl is None else f'{ppl:.3f}'} | {'-' if mb is None else f'{mb:.0f}'} |"
+        lines.append(line)
     return "\n".join(lines)
 
 

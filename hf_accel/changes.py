@@ -22,6 +22,7 @@ class Changes:
 
     def __init__(self) -> None:
         self._undos: list[Callable[[], None]] = []
+        self._irreversible_on_commit: str | None = None
         self.irreversible: str | None = None
 
     def __len__(self) -> int:
@@ -48,6 +49,17 @@ class Changes:
     def mark_irreversible(self, reason: str) -> None:
         """Say that undoing cannot restore the model exactly (e.g. quantized weights without originals)."""
         self.irreversible = reason
+
+    def forget_on_commit(self, reason: str) -> None:
+        """Keep what undo needs only until patch() succeeds, then free it (e.g. the original fp32 weights a
+        quantized model no longer needs); afterwards ``unpatch`` refuses with ``reason``."""
+        self._irreversible_on_commit = reason
+
+    def commit(self) -> None:
+        """Called once patch() has succeeded."""
+        if self._irreversible_on_commit is not None:
+            self._undos.clear()
+            self.mark_irreversible(self._irreversible_on_commit)
 
     def undo(self) -> None:
         """Revert every recorded edit, newest first. Keeps going past a failing step, then re-raises it."""

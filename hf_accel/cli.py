@@ -164,6 +164,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
     if quantize and "quantize" not in available:
         raise CLIError("--quantize: no quantize backend can run here (see `hf-accel doctor`)")
+    for scheme in quantize:
+        check_arguments(quantize=scheme)
     configs = default_configs(available, quantize) + [_patch_config(text) for text in args.patch]
     if args.configs:
         wanted = [w.strip() for w in args.configs.split(",")]

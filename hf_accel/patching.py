@@ -71,6 +71,8 @@ def patch(
         except BaseException:
             transaction.rollback()
             raise
+    for changes in transaction.state.changes:
+        changes.commit()
     logger.info("patched %s: %s", type(target).__name__,
                 ", ".join(f"{f}={transaction.state.report[f].backend}" for f in FEATURE_NAMES))
     return model

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_accel import Backend, Capabilities, PatchContext, hookimpl
+from hf_accel.quantize import linear_children as all_linear_children
 
 #: The row count oneDNN is told to expect when it packs: measured fastest for 1-16 rows on 2 cores.
 PACK_FOR_ROWS = 8
@@ -47,11 +48,8 @@ class PackedLinear(nn.Module):
 
 
 def linear_children(model: nn.Module):
-    """(parent, child name, qualified name, linear) for every plain ``nn.Linear`` in the model."""
-    for parent_name, parent in model.named_modules():
-        for name, child in parent.named_children():
-            if type(child) is nn.Linear:
-                yield parent, name, f"{parent_name}.{name}".lstrip("."), child
+    """Every plain ``nn.Linear`` (Conv1D layers keep their own kernel)."""
+    return ((p, n, q, m) for p, n, q, m in all_linear_children(model) if type(m) is nn.Linear)
 
 
 def pack_linears(context: PatchContext) -> None:

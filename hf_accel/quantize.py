@@ -1,0 +1,78 @@
+"""Helpers for quantization backends: which Linear layers to replace, and what they weigh."""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .backends import PatchContext
+
+#: Module types that are a matrix product with a weight: nn.Linear, and GPT-2's Conv1D (weight stored [in, out]).
+LINEAR_TYPES = (nn.Linear, Conv1D)
+
+
+def linear_children(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, nn.Module]]:
+    """(parent, child name, qualified name, module) for every plain ``nn.Linear`` or ``Conv1D``."""
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
+            if type(child) in LINEAR_TYPES:
+                yield parent, name, f"{parent_name}.{name}".lstrip("."), child
+
+
+def weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight as ``[out_features, in_features]`` and the bias, whichever layout the module stores."""
+    weight = module.weight.detach()
+    return (weight.t() if isinstance(module, Conv1D) else weight), module.bias
+
+
+def selected_linears(context: PatchContext) -> list[tuple[nn.Module, str, str, nn.Linear]]:
+    """The Linear layers to quantize: those of the decoder blocks by default (not the output head); the
+    ``include`` / ``skip`` options (regular expressions on qualified names) override that."""
+    include = _patterns(context.option("include"))
+    skip = _patterns(context.option("skip"))
+    head = context.model.get_output_embeddings()
+    chosen = []
+    for parent, name, qualified, linear in linear_children(context.model):
+        if include:
+            wanted = any(p.search(qualified) for p in include)
+        else:
+            wanted = linear is not head
+        if wanted and not any(p.search(qualified) for p in skip):
+            chosen.append((parent, name, qualified, linear))
+    return chosen
+
+
+def _patterns(value: str | Sequence[str] | None) -> list[re.Pattern]:
+    if value is None:
+        return []
+    return [re.compile(p) for p in ([value] if isinstance(value, str) else value)]
+
+
+def tensor_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, packed quantized weights included; shared tensors once."""
+    seen, total = set(), 0
+    for tensor in [*module.parameters(), *module.buffers(), *_packed_tensors(module)]:
+        key = (tensor.untyped_storage().data_ptr(), tensor.numel()) if not tensor.is_quantized else id(tensor)
+        if key not in seen:
+            seen.add(key)
+            total += _nbytes(tensor)
+    return total
+
+
+def _packed_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    for sub in module.modules():
+        weight_bias = getattr(sub, "_weight_bias", None)
+        if callable(weight_bias) and not isinstance(sub, nn.Linear):
+            yield from (t for t in weight_bias() if t is not None)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    if tensor.is_quantized:
+        scales = tensor.q_per_channel_scales().numel() * 12 if tensor.qscheme() in (
+            torch.per_channel_affine, torch.per_channel_symmetric) else 12
+        return tensor.numel() * tensor.element_size() + scales
+    return tensor.numel() * tensor.element_size()

@@ -1,0 +1,84 @@
+"""``quantize="int8"`` on CPU: int8 weights with one scale per output channel, activations in bf16.
+
+Each Linear weight is rounded to int8 (symmetric, per output channel) once; the product runs in aten's
+``_weight_int8pack_mm`` with bf16 activations, reading a quarter of the fp32 bytes. Measured on a 2-core
+AVX-512 CPU over SmolLM2's Linear shapes: ~11 ms for one token against ~46 ms for fp32 ``F.linear``, and
+~16 ms for 4 tokens (so speculative verification stays cheap). fbgemm's dynamic int8 kernels were as fast
+but quantize activations per tensor too, and agreed with fp32 on only ~38% of the verification probe's
+top-1 tokens on this model; bitsandbytes' and torchao's int8 paths were slower than fp32 here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hf_accel import Backend, Capabilities, PatchContext, hookimpl
+from hf_accel.quantize import selected_linears, tensor_bytes, weight_and_bias
+
+
+class Int8WeightLinear(nn.Module):
+    """``y = x @ (q * scale)^T + b`` with ``q`` int8 ``[out, in]`` and one bf16 ``scale`` per output.
+    Built from an ``nn.Linear`` or GPT-2's ``Conv1D``."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        weight, bias = weight_and_bias(linear)
+        weight = weight.float()
+        self.out_features, self.in_features = weight.shape
+        scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)
+        self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, bf16 activations"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(flat, self.qweight, self.scale).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_int8(context: PatchContext) -> None:
+    model, report = context.model, context.report
+    report.weight_bytes_before = tensor_bytes(model)
+    for parent, name, qualified, linear in selected_linears(context):
+        context.changes.set_submodule(parent, name, Int8WeightLinear(linear))
+        report.modules.append(qualified)
+    if not report.modules:
+        raise ValueError("no Linear layer matched; check the include=/skip= patterns")
+    report.weight_bytes_after = tensor_bytes(model)
+    report.details["scheme"] = "int8 weights (symmetric, per output channel), bf16 activations"
+    if not context.option("keep_original", False):
+        context.changes.forget_on_commit(
+            "its Linear weights were quantized and the fp32 originals freed; "
+            "patch with keep_original=True to be able to unpatch")
+
+
+def kernel_problem() -> str | None:
+    try:
+        torch._weight_int8pack_mm(torch.ones(1, 32, dtype=torch.bfloat16), torch.ones(8, 32, dtype=torch.int8),
+                                  torch.ones(8, dtype=torch.bfloat16))
+    except (RuntimeError, AttributeError) as exc:
+        return f"this PyTorch build has no CPU int8 weight-only kernel ({exc})"
+    return None
+
+
+@hookimpl
+def hf_accel_register_backends(register):
+    register(Backend(
+        name="int8_weight_only",
+        feature="quantize",
+        apply=quantize_int8,
+        why_unavailable=kernel_problem,
+        capabilities=Capabilities(devices=("cpu",), dtypes=(torch.float32, torch.bfloat16)),
+        priority=20,
+        lossless=False,
+        tolerance=0.1,
+        variants=("int8",),
+        options={"include": None, "skip": None, "keep_original": False},
+        description="int8 per-channel weights, bf16 activations, aten's int8 weight-only CPU kernel",
+    ))

@@ -1,0 +1,71 @@
+"""Quantized Linear weights: which modules, bytes, reversibility, errors, and all features together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_state, left_padded_batch, make_tiny_model, state_dict_copy
+
+import hf_accel
+from hf_accel_plugins.quantize_int8 import Int8WeightLinear
+
+
+def quantized_names(model):
+    return sorted(name for name, m in model.named_modules() if isinstance(m, Int8WeightLinear))
+
+
+def test_int8_quantizes_decoder_linears_and_reports_bytes(tiny_model):
+    ids, mask = left_padded_batch(tiny_model)
+    hf_accel.patch(tiny_model, quantize="int8", speculative=None)
+    report = hf_accel.report(tiny_model)["quantize"]
+    assert report.backend == "int8_weight_only" and report.verification.passed
+    assert sorted(report.modules) == quantized_names(tiny_model) and "lm_head" not in report.modules
+    assert report.weight_bytes_after < report.weight_bytes_before
+    data = hf_accel.report(tiny_model).to_dict()["quantize"]
+    assert data["weight_bytes_before"] == report.weight_bytes_before and data["weight_bytes_after"] > 0
+    layer = tiny_model.get_submodule(report.modules[0])
+    assert layer.qweight.dtype == torch.int8 and layer.scale.dtype == torch.bfloat16
+    out = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert out.shape == (3, ids.shape[1] + 6)
+
+
+def test_include_and_skip_patterns_choose_modules(llama):
+    hf_accel.patch(llama, quantize="int8", include=[r"mlp\.", "lm_head"], skip=[r"layers\.1\."], speculative=None)
+    names = quantized_names(llama)
+    assert "lm_head" in names and all("mlp" in n or n == "lm_head" for n in names)
+    assert not any(".layers.1." in n for n in names)
+    assert llama.get_input_embeddings().weight.dtype == torch.float32  # the tied embedding keeps its weights
+
+
+def test_unpatch_refuses_without_originals_and_restores_with_them(llama):
+    hf_accel.patch(llama, quantize="int8", speculative=None)
+    with pytest.raises(hf_accel.PatchError, match="keep_original=True"):
+        hf_accel.unpatch(llama)
+
+    model = make_tiny_model("llama")
+    before = state_dict_copy(model)
+    hf_accel.patch(model, quantize="int8", keep_original=True)
+    hf_accel.unpatch(model)
+    assert_same_state(before, state_dict_copy(model)) and not quantized_names(model)
+
+
+@pytest.mark.parametrize("scheme, message", [("nf4", "Unknown quantize backend 'nf4'"),
+                                             ("int8_weight_only", None)])
+def test_unsupported_schemes_and_dtypes_fail_clearly(scheme, message):
+    model = make_tiny_model("llama", dtype=torch.float16)
+    expected_error = ValueError if message else hf_accel.BackendUnavailableError
+    with pytest.raises(expected_error, match=message or "float16"):
+        hf_accel.patch(model, quantize=scheme)
+
+
+def test_all_four_features_together(tiny_model):
+    ids, mask = left_padded_batch(tiny_model)
+    hf_accel.patch(tiny_model, quantize="int8", keep_original=True, speculative="ngram")
+    # the reference is the quantized model's own greedy output without speculation or the cache
+    reference = tiny_model._hf_accel_state.original_generate(input_ids=ids, attention_mask=mask, max_new_tokens=20,
+                                                            do_sample=False)
+    report = hf_accel.report(tiny_model)
+    assert report["quantize"].backend == "int8_weight_only" and report["attention"].backend
+    assert report["kv_cache"].backend == "static" and report["speculative"].backend == "ngram"
+    out = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, reference)
