@@ -51,6 +51,7 @@ class Row:
     speedup: float = 1.0
     vs_best_native: float | None = None
     identical: bool = True
+    agreement: float | None = None  # share of positions where the greedy tokens equal stock's
     acceptance: float | None = None
     peak_rss_mb: float | None = None
     perplexity: float | None = None  # on hf_accel/data/eval.txt; stock and quantized configurations
@@ -111,17 +112,20 @@ def _timed(model, inputs, max_new_tokens: int, kwargs: dict[str, Any]) -> tuple[
     return out[:, inputs["input_ids"].shape[1]:], seconds, ttft
 
 
-def _peak_rss_reset() -> None:
+def reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS counter for this process (Linux); False where that is not possible."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
+        return True
     except OSError:
-        pass
+        return False
 
 
-def _peak_rss_mb() -> float | None:
+def rss_mb(field: str = "VmHWM") -> float | None:
+    """This process's resident memory from /proc (``VmHWM``: peak since the last reset; ``VmRSS``: now)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         return None
@@ -153,7 +157,7 @@ def run_bench(model, tokenizer, prompts: list[Prompt], configs: list[BenchConfig
 
 def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_tokens, progress,
                 tokenizer) -> list[Row]:
-    _peak_rss_reset()
+    reset_peak_rss()
     start = time.perf_counter()
     if config.patch_kwargs is not None:
         patch(model, **config.patch_kwargs)
@@ -180,9 +184,10 @@ def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_t
                 tokens=tokens.shape[-1], tokens_per_s=statistics.median(speeds), tokens_per_s_min=min(speeds),
                 tokens_per_s_max=max(speeds), ttft_s=statistics.median(r[2] for r in runs), warmup_s=warm,
                 identical=key in stock_tokens and torch.equal(tokens, stock_tokens[key]),
+                agreement=_agreement(tokens, stock_tokens.get(key)),
                 acceptance=(after[1] - before[1]) / drafted if drafted else None, peak_rss_mb=None))
             warm = 0.0
-        peak = _peak_rss_mb()
+        peak = rss_mb()
         quality = _quality(model, tokenizer) if config.group == "stock" or _quantized(config) else (None, None)
         for row in rows:
             row.peak_rss_mb = peak
@@ -191,6 +196,15 @@ def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_t
         if config.patch_kwargs is not None:
             unpatch(model)
     return rows
+
+
+def _agreement(tokens: torch.Tensor, reference: torch.Tensor | None) -> float | None:
+    """Share of positions (over the longer of the two) where the tokens equal the reference's."""
+    if reference is None:
+        return None
+    ours, theirs = tokens[0].tolist(), reference[0].tolist()
+    longest = max(len(ours), len(theirs))
+    return sum(a == b for a, b in zip(ours, theirs)) / longest if longest else 1.0
 
 
 def _quantized(config: BenchConfig) -> bool:
@@ -218,7 +232,7 @@ def run_llama_cpp(gguf_file: str | Path, encoded: list[dict[str, torch.Tensor]],
         from llama_cpp import Llama
     except ImportError as exc:
         raise ValueError("--against llama.cpp needs llama-cpp-python: pip install llama-cpp-python") from exc
-    _peak_rss_reset()
+    reset_peak_rss()
     start = time.perf_counter()
     llm = Llama(model_path=str(gguf_file), n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False)
     load_s = time.perf_counter() - start
@@ -238,7 +252,7 @@ def run_llama_cpp(gguf_file: str | Path, encoded: list[dict[str, torch.Tensor]],
                         ttft_s=statistics.median(r[2] for r in runs), warmup_s=load_s,
                         identical=reference is not None and tokens == reference))
         load_s = 0.0
-    peak = _peak_rss_mb()
+    peak = rss_mb()
     for row in rows:
         row.peak_rss_mb = peak
     return rows
@@ -293,7 +307,9 @@ def summary_table(rows: list[Row]) -> str:
         geo = statistics.geometric_mean(r.speedup for r in group)
         tps = statistics.mean(r.tokens_per_s for r in group)
         same = sum(r.identical for r in group)
-        line = f"| {name} | {tps:.1f} | {geo:.2f}x | {same}/{len(group)} |"
+        agreement = [r.agreement for r in group if r.agreement is not None]
+        line = f"| {name} | {tps:.1f} | {geo:.2f}x | {same}/{len(group)}"
+        line += f" ({statistics.mean(agreement):.0%} of tokens) |" if agreement and same < len(group) else " |"
         if quality:
             ppl, mb = group[0].perplexity, group[0].weight_mb
             line += f" {'-' if ppl is None else f'{ppl:.3f}'} | {'-' if mb is None else f'{mb:.0f}'} |"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -19,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from . import available_backends
+from .bench import reset_peak_rss, rss_mb
 
 
 @dataclass
@@ -29,25 +29,14 @@ class AttentionRow:
     extra_mb: float | None
 
 
-def _rss_kb(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def _peak_extra_mb(fn: Callable[[], object]) -> float | None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
+    """How much the process's peak resident memory grew while ``fn`` ran."""
+    if not reset_peak_rss():
         return None
-    before = _rss_kb("VmRSS:")
+    before = rss_mb("VmRSS")
     fn()
-    peak = _rss_kb("VmHWM:")
-    return None if before is None or peak is None else max(peak - before, 0) / 1024
+    peak = rss_mb("VmHWM")
+    return None if before is None or peak is None else max(peak - before, 0.0)
 
 
 class _Layer(nn.Module):

@@ -223,8 +223,10 @@ class SpeculativeLoop:
                 continue
             for j in range(int(count[b])):
                 self.rows[b] = torch.cat([self.rows[b], tokens[b, j : j + 1]])
-                self.scores[b].append(scores[b, j])
-                self.logits[b].append(logits[b, j])
+                if self.config.output_scores:  # copies, so a chunk's [batch, k+1, vocab] tensor is not kept
+                    self.scores[b].append(scores[b, j].clone())
+                if self.config.output_logits:
+                    self.logits[b].append(logits[b, j].clone())
                 self.stats.generated += 1
                 if self.streamer is not None:
                     self.streamer.put(tokens[b, j : j + 1].cpu())
