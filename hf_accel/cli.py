@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from . import __version__, available_backends, check_arguments, patch, report
+from . import __version__, available_backends, check_arguments, patch, report, unpatch
 from .models import ModelNotFoundError, default_model_file, load_default_model, load_model
 from .prompts import encode_chat, load_prompts
 from .timing import timed_generate
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the default model, stock and patched, side by side")
     demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--prompts", type=int, default=3, help="how many built-in prompts to run (default 3)")
+    demo.add_argument("--prompts", type=int, default=4, help="how many built-in prompts to run, one per category")
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="stock, transformers-native and hf_accel configurations side by side")
@@ -67,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     attn.add_argument("--repeat", type=int, default=3)
     attn.add_argument("--queries", type=int, help="time a masked chunk of this many new tokens instead of prefill")
     attn.set_defaults(func=cmd_bench_attention)
+
+    step = sub.add_parser("bench-step", help="one decode step, stock and patched: matmul vs everything else")
+    _add_model_arguments(step)
+    step.add_argument("--context", type=int, default=300, help="prompt length before the step")
+    step.add_argument("--chunk", type=int, default=1, help="tokens per step (>1: a speculative verification)")
+    step.add_argument("--steps", type=int, default=8)
+    step.add_argument("--quantize", default="", help="comma-separated quantize schemes to add")
+    step.set_defaults(func=cmd_bench_step)
 
     gen = sub.add_parser("generate", help="generate from one prompt, then print tokens/s and the report")
     gen.add_argument("--prompt", required=True)
@@ -198,6 +206,30 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
     if args.repeat < 1 or any(n < 1 for n in lengths):
         raise CLIError("--repeat and every length must be at least 1")
     print(format_attention_table(bench_attention(lengths, repeat=args.repeat, queries=args.queries)))
+    return 0
+
+
+def cmd_bench_step(args: argparse.Namespace) -> int:
+    from .bench_step import format_step_table, memory_read_gb_s, profile_step
+
+    if min(args.context, args.chunk, args.steps) < 1:
+        raise CLIError("--context, --chunk and --steps must be at least 1")
+    schemes = [q.strip() for q in args.quantize.split(",") if q.strip()]
+    for scheme in schemes:
+        check_arguments(quantize=scheme)
+    model, _ = _load(args)
+    measure = lambda name: profile_step(model, name, args.context, args.chunk, args.steps)  # noqa: E731
+    rows = [measure("stock")]
+    configs = [("hf_accel compile only", {"attention": None, "kv_cache": None, "speculative": None})]
+    configs.append(("hf_accel patch(model) without speculation", {"speculative": None}))
+    configs += [(f"hf_accel quantize={q}", {"quantize": q, "speculative": None, "keep_original": True}) for q in schemes]
+    for name, kwargs in configs:
+        patch(model, **kwargs)
+        try:
+            rows.append(measure(name))
+        finally:
+            unpatch(model)
+    print(format_step_table(rows, memory_read_gb_s()))
     return 0
 
 

@@ -112,7 +112,9 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def _short(value: Any) -> str:
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(dict(value)) if isinstance(value, dict) else str(value)
 
 
 def _jsonable(value: Any) -> Any:

@@ -142,3 +142,12 @@ def test_bench_patch_option_adds_a_configuration(tiny_model_dir, tmp_path):
 def test_bench_patch_option_errors(value, message, capsys):
     assert main(["bench", "--patch", value]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_step_splits_matmul_from_the_rest(tiny_model_dir, capsys):
+    assert main(["bench-step", "--model", str(tiny_model_dir), "--context", "20", "--steps", "2",
+                 "--quantize", "int8"]) == 0
+    out = capsys.readouterr().out
+    for config in ("| stock |", "compile only", "without speculation", "quantize=int8"):
+        assert config in out
+    assert "matmul reads GB/s" in out and "memory read bandwidth" in out

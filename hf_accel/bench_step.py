@@ -1,0 +1,99 @@
+"""``hf-accel bench-step``: one decode step, split into matrix products and everything else.
+
+A decode step of a small model on a CPU is bound by reading weights. This measures, side by side in one
+process, the wall time of a step at a given context length, the share spent in matrix-product kernels
+(from the profiler), and the weight bytes those kernels read per second next to what ``x.sum()`` reads
+from memory on this machine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .cached_lm import CachedLM
+
+#: Profiler names of the kernels that multiply by a weight matrix (fp32, prepacked, int8).
+MATMUL_KERNELS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm",
+                            "quantized::linear_dynamic"})
+
+
+@dataclass
+class StepProfile:
+    config: str
+    step_ms: float
+    matmul_ms: float
+    weight_mb: float
+
+    @property
+    def other_ms(self) -> float:
+        return max(self.step_ms - self.matmul_ms, 0.0)
+
+    @property
+    def matmul_gb_s(self) -> float:
+        return self.weight_mb * 2**20 / 1e9 / (self.matmul_ms / 1000) if self.matmul_ms else float("nan")
+
+
+def matmul_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every 2-D weight (or int8 ``qweight``) a step multiplies by: all leaf modules with one,
+    except embedding tables, which are indexed rather than read whole. Tied tensors count once."""
+    seen, total = set(), 0
+    for module in model.modules():
+        if next(module.children(), None) is not None or isinstance(module, nn.Embedding):
+            continue
+        for name in ("weight", "qweight"):
+            tensor = getattr(module, name, None)
+            if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+                break
+    return total
+
+
+def memory_read_gb_s(gib: int = 1) -> float:
+    """What ``x.sum()`` reads per second over ``gib`` GiB of fp32: the machine's practical bandwidth."""
+    x = torch.ones(gib * 2**28)
+    x.sum()
+    start = time.perf_counter()
+    for _ in range(3):
+        x.sum()
+    return 3 * gib * 2**30 / 1e9 / (time.perf_counter() - start)
+
+
+def profile_step(model: nn.Module, config: str, context: int = 300, chunk: int = 1, steps: int = 8) -> StepProfile:
+    """Median wall time of a ``chunk``-token step after a ``context``-token prompt, and its matmul time."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    lm = CachedLM(model)
+    with torch.no_grad():
+        prompt = torch.randint(0, vocab, (1, context), generator=generator)
+        lm.prefill(prompt, torch.ones_like(prompt))
+
+        def step() -> None:
+            lm.extend(torch.randint(0, vocab, (1, chunk), generator=generator))
+            lm.keep(torch.tensor([1]))
+
+        step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+    matmul_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_KERNELS)
+    return StepProfile(config, 1000 * sorted(times)[len(times) // 2], matmul_us / 1000 / steps,
+                       matmul_weight_bytes(model) / 2**20)
+
+
+def format_step_table(rows: list[StepProfile], bandwidth: float) -> str:
+    lines = ["| config | step ms | matmul ms | everything else ms | weights MB | matmul reads GB/s | vs memory |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r.config} | {r.step_ms:.1f} | {r.matmul_ms:.1f} | {r.other_ms:.1f} | {r.weight_mb:.0f} | "
+                     f"{r.matmul_gb_s:.1f} | {r.matmul_gb_s / bandwidth:.0%} |")
+    return "\n".join(lines) + f"\n\nmemory read bandwidth (x.sum() over 1 GiB): {bandwidth:.1f} GB/s"
