@@ -40,6 +40,11 @@ def register_implementation(name: str, forward: Callable, mask: Callable) -> Non
     AttentionMaskInterface.register(name, mask)
 
 
+def head_dim(model: PreTrainedModel) -> int:
+    config = model.config.get_text_config(decoder=True)
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def transformers_refusal(context: PatchContext, implementation: str) -> str | None:
     """Why transformers would refuse ``implementation`` for this model, asked before anything changes."""
     model = context.model

@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.masking_utils import flash_attention_mask, sdpa_mask
 
 from hf_accel import Backend, Capabilities, PatchContext, hookimpl
-from hf_accel.attention import register_implementation, set_attention, transformers_refusal
+from hf_accel.attention import head_dim, register_implementation, set_attention, transformers_refusal
 
 SDPA_FLASH = "hf_accel_sdpa_fa"  # transformers treats names containing "flash" as hub kernels
 FLASH_ATTN = "hf_accel_fa2"
@@ -138,6 +138,8 @@ def flash_attn_unavailable() -> str | None:
 
 
 def flash_attn_unsuitable(context: PatchContext) -> str | None:
+    if head_dim(context.model) > 256:
+        return f"FlashAttention-2 supports head dimensions up to 256, this model's is {head_dim(context.model)}"
     if not _injected:  # the real package: CUDA and half precision only
         if context.device.type != "cuda":
             return f"flash-attn runs on CUDA, the model is on {context.device.type}"

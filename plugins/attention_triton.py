@@ -20,7 +20,7 @@ import torch
 from transformers.masking_utils import flash_attention_mask
 
 from hf_accel import Backend, PatchContext, hookimpl
-from hf_accel.attention import register_implementation, set_attention, transformers_refusal
+from hf_accel.attention import head_dim, register_implementation, set_attention, transformers_refusal
 
 TRITON_FLASH = "hf_accel_triton_fa"
 _kernel = None
@@ -139,6 +139,8 @@ def triton_problem() -> str | None:
 
 
 def triton_unsuitable(context: PatchContext) -> str | None:
+    if head_dim(context.model) > 256:
+        return f"the kernel keeps a query block's head dimension in registers: at most 256, this model has {head_dim(context.model)}"
     if context.device.type != "cuda" and not interpreted():
         return f"runs on CUDA, the model is on {context.device.type}"
     return transformers_refusal(context, TRITON_FLASH)
