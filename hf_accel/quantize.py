@@ -64,10 +64,17 @@ def tensor_bytes(module: nn.Module) -> int:
 
 
 def _packed_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    """Quantization metadata that is neither a parameter nor a buffer: bitsandbytes' block scales
+    (``quant_state``, nested for double quantization) and LLM.int8 row scales (``SCB``)."""
     for sub in module.modules():
-        weight_bias = getattr(sub, "_weight_bias", None)
-        if callable(weight_bias) and not isinstance(sub, nn.Linear):
-            yield from (t for t in weight_bias() if t is not None)
+        weight = getattr(sub, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        while state is not None:
+            yield state.absmax
+            state = getattr(state, "state2", None)
+        scales = getattr(weight, "SCB", None)
+        if isinstance(scales, torch.Tensor):
+            yield scales
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -49,7 +49,7 @@ def test_unpatch_refuses_without_originals_and_restores_with_them(llama):
     assert_same_state(before, state_dict_copy(model)) and not quantized_names(model)
 
 
-@pytest.mark.parametrize("scheme, message", [("nf4", "Unknown quantize backend 'nf4'"),
+@pytest.mark.parametrize("scheme, message", [("int3", "Unknown quantize backend 'int3'"),
                                              ("int8_weight_only", None)])
 def test_unsupported_schemes_and_dtypes_fail_clearly(scheme, message):
     model = make_tiny_model("llama", dtype=torch.float16)
@@ -69,3 +69,29 @@ def test_all_four_features_together(tiny_model):
     assert report["kv_cache"].backend == "static" and report["speculative"].backend == "ngram"
     out = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
     assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("scheme", ["nf4", "fp4", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_bitsandbytes_converts_loaded_weights(arch, scheme):
+    pytest.importorskip("bitsandbytes")
+    model = make_tiny_model(arch)
+    ids, mask = left_padded_batch(model)
+    before = state_dict_copy(model)
+    hf_accel.patch(model, quantize="bnb", bnb_quant_type=scheme, keep_original=True, speculative=None)
+    report = hf_accel.report(model)["quantize"]
+    assert report.backend == "bnb" and report.details["scheme"] == f"bitsandbytes {scheme}"
+    assert report.weight_bytes_after < report.weight_bytes_before
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert out.shape == (3, ids.shape[1] + 5)
+    hf_accel.unpatch(model)
+    assert_same_state(before, state_dict_copy(model))
+
+
+def test_nf4_is_served_by_bitsandbytes_and_int8_prefers_the_fast_cpu_kernel(llama):
+    pytest.importorskip("bitsandbytes")
+    hf_accel.patch(llama, quantize="nf4", speculative=None)
+    assert hf_accel.report(llama)["quantize"].backend == "bnb"
+    other = make_tiny_model("llama")
+    hf_accel.patch(other, quantize="int8", speculative=None)
+    assert hf_accel.report(other)["quantize"].backend == "int8_weight_only"
