@@ -159,8 +159,10 @@ def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_t
                 tokenizer) -> list[Row]:
     reset_peak_rss()
     start = time.perf_counter()
+    name = config.name
     if config.patch_kwargs is not None:
         patch(model, **config.patch_kwargs)
+        name += _not_applied(model, config.patch_kwargs)
     setup = time.perf_counter() - start
     rows = []
     try:
@@ -180,7 +182,7 @@ def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_t
                 stock_tokens[key] = tokens
             drafted = after[0] - before[0]
             rows.append(Row(
-                config=config.name, group=config.group, prompt=key, prompt_category=prompt.category,
+                config=name, group=config.group, prompt=key, prompt_category=prompt.category,
                 tokens=tokens.shape[-1], tokens_per_s=statistics.median(speeds), tokens_per_s_min=min(speeds),
                 tokens_per_s_max=max(speeds), ttft_s=statistics.median(r[2] for r in runs), warmup_s=warm,
                 identical=key in stock_tokens and torch.equal(tokens, stock_tokens[key]),
@@ -196,6 +198,15 @@ def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_t
         if config.patch_kwargs is not None:
             unpatch(model)
     return rows
+
+
+def _not_applied(model, patch_kwargs: dict[str, Any]) -> str:
+    """A label for features this configuration asked for by name that no backend ended up serving."""
+    missing = [f"{feature} not applied: {report(model)[feature].reason}"
+               for feature, value in patch_kwargs.items()
+               if feature in FEATURE_NAMES and isinstance(value, str) and value != "auto"
+               and report(model)[feature].backend is None]
+    return f" ({'; '.join(missing)})" if missing else ""
 
 
 def _agreement(tokens: torch.Tensor, reference: torch.Tensor | None) -> float | None:

@@ -151,3 +151,14 @@ def test_bench_step_splits_matmul_from_the_rest(tiny_model_dir, capsys):
     for config in ("| stock |", "compile only", "without speculation", "quantize=int8"):
         assert config in out
     assert "matmul reads GB/s" in out and "memory read bandwidth" in out
+
+
+def test_bench_labels_a_configuration_whose_feature_was_not_applied():
+    from conftest import make_tiny_model
+
+    import hf_accel
+    from hf_accel.bench import _not_applied
+
+    model = hf_accel.patch(make_tiny_model("llama"), kv_cache=None)
+    assert "kv_cache not applied: off" in _not_applied(model, {"kv_cache": "static", "attention": "auto"})
+    assert _not_applied(model, {"attention": "sdpa_flash"}) == ""
