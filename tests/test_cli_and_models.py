@@ -162,3 +162,10 @@ def test_bench_labels_a_configuration_whose_feature_was_not_applied():
     model = hf_accel.patch(make_tiny_model("llama"), kv_cache=None)
     assert "kv_cache not applied: off" in _not_applied(model, {"kv_cache": "static", "attention": "auto"})
     assert _not_applied(model, {"attention": "sdpa_flash"}) == ""
+
+
+def test_against_llama_cpp_without_the_package_names_the_install(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else real(name))
+    assert main(["bench", "--against", "llama.cpp"]) == 2
+    assert "pip install llama-cpp-python" in capsys.readouterr().err

@@ -28,14 +28,34 @@ def test_default_model_is_the_embedded_smollm2(smollm2):
     assert model.dtype == torch.float32 and tokenizer.eos_token_id is not None
 
 
-def test_patched_greedy_output_equals_stock(smollm2):
+def test_patched_greedy_output_equals_stock_on_every_shipped_prompt(smollm2):
+    """chat, code, summarize a quoted passage, edit a quoted code block: two prompts each, 64 tokens."""
     model, tokenizer = smollm2
-    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()]
-    expected = [greedy(model, x) for x in inputs]
+    inputs = [encode_chat(tokenizer, p.prompt) for p in load_prompts()]
+    expected = [greedy(model, x, 64) for x in inputs]
     hf_accel.patch(model)
     try:
         for x, want in zip(inputs, expected):
-            assert torch.equal(greedy(model, x), want)
+            assert torch.equal(greedy(model, x, 64), want)
+        details = hf_accel.report(model)["speculative"].details
+        assert details["accepted"] > 0 and details["fallbacks_to_stock"] == 0
+    finally:
+        hf_accel.unpatch(model)
+
+
+def test_speculation_on_a_quantized_model_is_lossless_for_that_model(smollm2):
+    model, tokenizer = smollm2
+    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()[2:]]
+    hf_accel.patch(model, quantize="int8", keep_original=True, speculative=None)
+    try:
+        expected = [greedy(model, x, 48) for x in inputs]
+    finally:
+        hf_accel.unpatch(model)
+    hf_accel.patch(model, quantize="int8", keep_original=True)
+    try:
+        assert hf_accel.report(model)["speculative"].backend == "ngram"
+        for x, want in zip(inputs, expected):
+            assert torch.equal(greedy(model, x, 48), want)
     finally:
         hf_accel.unpatch(model)
 
