@@ -7,6 +7,7 @@ the extra resident memory each needed (eager materialises the N x N scores; flas
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ def bench_attention(lengths=(512, 2048, 8192), heads: int = 9, kv_heads: int = 3
                 mask = torch.zeros(1, 1, m, n, dtype=dtype).masked_fill(~causal, float("-inf"))
             else:
                 mask = causal[None, None] if queries else None
-            calls[name] = lambda fn=fn, mask=mask: fn(layer, q, k, v, mask, scaling=head_dim**-0.5, dropout=0.0)
+            calls[name] = functools.partial(fn, layer, q, k, v, mask, scaling=head_dim**-0.5, dropout=0.0)
         with torch.no_grad():
             extra = {name: _peak_extra_mb(call) for name, call in calls.items()}
             times: dict[str, list[float]] = {name: [] for name in calls}

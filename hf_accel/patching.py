@@ -11,7 +11,7 @@ import torch
 from .backends import Backend, BackendRegistry, PatchContext
 from .changes import Changes
 from .errors import BackendUnavailableError, PatchError, VerificationError
-from .features import FEATURE_NAMES, FEATURES, get_feature
+from .features import FEATURE_NAMES, get_feature
 from .generation import make_patched_generate, run_generate
 from .plugins import extra_plugins, get_plugin_manager
 from .report import FeatureReport, PatchReport, Verification

@@ -6,7 +6,6 @@ import pytest
 import torch
 import transformers
 
-import hf_accel
 from hf_accel.plugins import reset_plugin_manager
 
 VOCAB = 512
@@ -91,5 +90,3 @@ def left_padded_batch(model, lengths=(7, 3, 5), seed: int = 1):
         mask[row, width - n:] = 1
     return ids, mask
 
-
-hf_accel  # the package under test, imported once here so collection fails loudly if it is broken
