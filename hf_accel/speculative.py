@@ -253,7 +253,7 @@ class SpeculativeLoop:
         vocab = per_row[0][0].shape[-1]
         out = []
         for s in range(steps):
-            column = [r[s] if s < len(r) else torch.full((vocab,), float("-inf")) for r in per_row]
+            column = [r[s] if s < len(r) else per_row[0][0].new_full((vocab,), float("-inf")) for r in per_row]
             out.append(torch.stack(column))
         return tuple(out)
 
@@ -412,6 +412,8 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     if attention_mask is None:
         attention_mask = _infer_attention_mask(input_ids, config)
+    if extra["streamer"] is not None and input_ids.shape[0] > 1:
+        return "a streamer with batch > 1 (streamers take one row)"
     processors = LogitsProcessorList([*(extra["logits_processor"] or []), *sampling_processors(config)])
     stopping = StoppingCriteriaList(extra["stopping_criteria"]) if extra["stopping_criteria"] else None
     return CallPlan(input_ids, attention_mask, config, processors, stopping, extra["streamer"], max_new)
