@@ -13,15 +13,24 @@ class PreallocatedLayer(DynamicLayer):
 
     ``update`` copies the new states into the buffer (no ``torch.cat`` of the whole history per token) and
     returns views of the filled part; ``crop`` only moves the length. The buffer grows, rarely, by copying.
+    Subclasses may store states in another form by overriding ``encode`` and ``decode``.
     """
 
     def __init__(self, capacity: int = 0) -> None:
         super().__init__()
         self.capacity = capacity
         self.length = 0
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
+        self._stores: dict[str, list[torch.Tensor]] | None = None
 
+    # -- how states are stored ------------------------------------------------------------------------------
+    def encode(self, states: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors that store ``states`` (``[batch, heads, n, dim]``), each indexed by position on dim 2."""
+        return [states]
+
+    def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return parts[0]
+
+    # -- cache protocol -------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self._allocate(key_states, value_states, max(self.capacity, key_states.shape[-2]))
@@ -29,33 +38,34 @@ class PreallocatedLayer(DynamicLayer):
 
     def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
         capacity = -(-capacity // _GROWTH_STEP) * _GROWTH_STEP
-        batch, heads, _, key_dim = key_states.shape
-        keys = key_states.new_empty(batch, heads, capacity, key_dim)
-        values = value_states.new_empty(batch, heads, capacity, value_states.shape[-1])
-        if self._keys is not None and self.length:
-            keys[:, :, : self.length] = self._keys[:, :, : self.length]
-            values[:, :, : self.length] = self._values[:, :, : self.length]
-        self._keys, self._values, self.capacity = keys, values, capacity
+        stores = {}
+        for kind, states in (("keys", key_states), ("values", value_states)):
+            parts = self.encode(states[:, :, :1])
+            stores[kind] = [p.new_empty(*p.shape[:2], capacity, *p.shape[3:]) for p in parts]
+            if self._stores is not None and self.length:
+                for new, old in zip(stores[kind], self._stores[kind]):
+                    new[:, :, : self.length] = old[:, :, : self.length]
+        self._stores, self.capacity = stores, capacity
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != self._keys.shape[0]:  # a call with another batch size: start over
-            self._keys = self._values = None
-            self.length = 0
+        if key_states.shape[0] != self._stores["keys"][0].shape[0]:  # a call with another batch size: start over
+            self._stores, self.length = None, 0
             self._allocate(key_states, value_states, max(key_states.shape[-2], self.capacity))
         start, end = self.length, self.length + key_states.shape[-2]
         if end > self.capacity:
             self._allocate(key_states, value_states, max(end, 2 * self.capacity))
-        self._keys[:, :, start:end] = key_states
-        self._values[:, :, start:end] = value_states
+        for kind, states in (("keys", key_states), ("values", value_states)):
+            for buffer, part in zip(self._stores[kind], self.encode(states)):
+                buffer[:, :, start:end] = part
         self.length = end
         self._expose()
         return self.keys, self.values
 
     def _expose(self) -> None:
-        self.keys = self._keys[:, :, : self.length]
-        self.values = self._values[:, :, : self.length]
+        self.keys = self.decode([b[:, :, : self.length] for b in self._stores["keys"]])
+        self.values = self.decode([b[:, :, : self.length] for b in self._stores["values"]])
 
     def get_seq_length(self) -> int:
         return self.length
@@ -69,15 +79,36 @@ class PreallocatedLayer(DynamicLayer):
 
     def gather_positions(self, source: torch.Tensor) -> None:
         """Row b's slot t takes what was at slot ``source[b, t]`` (used to realign rows after rollback)."""
-        index = source[:, None, :, None]
-        self._keys[:, :, : self.length] = self.keys.gather(2, index.expand_as(self.keys))
-        self._values[:, :, : self.length] = self.values.gather(2, index.expand(*self.values.shape))
+        for buffers in self._stores.values():
+            for buffer in buffers:
+                filled = buffer[:, :, : self.length]
+                index = source[:, None, :, None].expand(*filled.shape)
+                buffer[:, :, : self.length] = filled.gather(2, index)
         self._expose()
 
     def reset(self) -> None:
         self.length = 0
         if self.is_initialized:
             self._expose()
+
+    def stored_bytes_per_token(self) -> int:
+        """Bytes one position takes in this layer, keys and values, all rows."""
+        if self._stores is None:
+            return 0
+        return sum(b[:, :, 0].numel() * b.element_size() for parts in self._stores.values() for b in parts)
+
+
+class Int8Layer(PreallocatedLayer):
+    """Keys and values stored as int8, with one scale per row, head and position (absmax over the head's
+    dimension): a quarter of fp32's bytes, half of fp16's, plus the scales. Dequantized when read."""
+
+    def encode(self, states: torch.Tensor) -> list[torch.Tensor]:
+        scale = states.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127
+        return [torch.round(states / scale).to(torch.int8), scale]
+
+    def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        quantized, scale = parts
+        return quantized.to(scale.dtype) * scale
 
 
 class PreallocatedCache(Cache):
@@ -89,9 +120,9 @@ class PreallocatedCache(Cache):
         model.generate(**inputs, past_key_values=cache, max_new_tokens=128)
     """
 
-    def __init__(self, config, capacity: int = 0) -> None:
+    def __init__(self, config, capacity: int = 0, layer_class: type[PreallocatedLayer] = PreallocatedLayer) -> None:
         layers = config.get_text_config(decoder=True).num_hidden_layers
-        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(layers)])
+        super().__init__(layers=[layer_class(capacity) for _ in range(layers)])
 
     @property
     def capacity(self) -> int:
@@ -100,3 +131,6 @@ class PreallocatedCache(Cache):
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+
+    def bytes_per_token(self) -> int:
+        return sum(layer.stored_bytes_per_token() for layer in self.layers)

@@ -1,4 +1,5 @@
 """``kv_cache="static"``: one preallocated KV cache per patched model, reused by every generate call.
+``kv_cache="static-int8"``: the same, storing keys and values as int8 (lossy; asked for by name only).
 
 Stock transformers builds a new ``DynamicCache`` per call and grows it with ``torch.cat`` over the whole
 history at every step (on SmolLM2 on a 2-core CPU, ~14 ms of a ~50 ms step at a 300-token context). This
@@ -8,17 +9,52 @@ call needs more room. The speculative loop uses the same cache and rolls it back
 
 from __future__ import annotations
 
+import torch
+
 from hf_accel import Backend, PatchContext, hookimpl
-from hf_accel.kv_cache import PreallocatedCache
+from hf_accel.cached_lm import CachedLM
+from hf_accel.kv_cache import Int8Layer, PreallocatedCache, PreallocatedLayer
+from hf_accel.verify import ProbeInputs
 
 #: Room for a typical chat prompt plus a few hundred new tokens; grows on demand.
 INITIAL_CAPACITY = 1024
 
 
-def install(context: PatchContext) -> None:
+def install(context: PatchContext, layer_class: type[PreallocatedLayer] = PreallocatedLayer) -> None:
     capacity = int(context.option("cache_capacity", INITIAL_CAPACITY))
-    context.changes.setattr(context.state, "kv_cache", PreallocatedCache(context.model.config, capacity))
+    cache = PreallocatedCache(context.model.config, capacity, layer_class)
+    context.changes.setattr(context.state, "kv_cache", cache)
     context.report.details["initial_capacity_tokens"] = capacity
+    if layer_class is not PreallocatedLayer:
+        context.report.details.update(int8_cache_cost(context.model, cache))
+
+
+def int8_cache_cost(model: torch.nn.Module, cache: PreallocatedCache) -> dict[str, float]:
+    """What storing the cache in int8 costs on the verification probe: logit error and top-1 agreement of
+    tokens read through it, greedy agreement over 16 tokens, and bytes per cached token."""
+    probe = ProbeInputs.for_model(model)
+    ids = probe.input_ids[:1]
+    reference = _extend_logits(model, ids, PreallocatedCache(model.config))
+    quantized = _extend_logits(model, ids, cache)
+    error = ((quantized - reference).abs().max() / reference.abs().max()).item()
+    full = PreallocatedCache(model.config)
+    greedy = [model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=c,
+                             max_new_tokens=16, do_sample=False, pad_token_id=probe.pad_token_id)
+              for c in (full, cache)]
+    n = min(g.shape[1] for g in greedy)
+    return {"logit_error_vs_full_precision_cache": round(error, 5),
+            "top1_agreement": round((quantized.argmax(-1) == reference.argmax(-1)).float().mean().item(), 4),
+            "greedy_agreement_16_tokens": round((greedy[0][:, :n] == greedy[1][:, :n]).float().mean().item(), 4),
+            "bytes_per_token": cache.bytes_per_token(), "bytes_per_token_full_precision": full.bytes_per_token()}
+
+
+def _extend_logits(model: torch.nn.Module, ids: torch.Tensor, cache: PreallocatedCache) -> torch.Tensor:
+    """Logits of the probe's second half, read through ``cache`` holding its first half."""
+    lm = CachedLM(model, cache)
+    half = ids.shape[1] // 2
+    with torch.no_grad():
+        lm.prefill(ids[:, :half], torch.ones_like(ids[:, :half]))
+        return lm.extend(ids[:, half:])
 
 
 def why_unsuitable(context: PatchContext) -> str | None:
@@ -44,4 +80,14 @@ def hf_accel_register_backends(register):
         priority=10,
         options={"cache_capacity": INITIAL_CAPACITY},
         description="preallocated KV cache written in place and reused across calls",
+    ))
+    register(Backend(
+        name="static-int8",
+        feature="kv_cache",
+        apply=lambda context: install(context, Int8Layer),
+        why_unsuitable=why_unsuitable,
+        probe=None,  # lossy by design: the backend measures and reports its own cost instead
+        lossless=False,
+        options={"cache_capacity": INITIAL_CAPACITY},
+        description="the static cache with keys and values stored in int8 (one scale per head and position)",
     ))

@@ -7,7 +7,7 @@ import torch
 from conftest import assert_same_state, left_padded_batch, make_tiny_model, state_dict_copy
 
 import hf_accel
-from hf_accel.kv_cache import PreallocatedCache, PreallocatedLayer
+from hf_accel.kv_cache import Int8Layer, PreallocatedCache, PreallocatedLayer
 from hf_accel_plugins.compile_onednn import PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -62,10 +62,10 @@ def test_preallocated_layer_appends_in_place_grows_and_crops():
     k1, v1 = kv(length=3)
     keys, values = layer.update(k1, v1)
     assert torch.equal(keys, k1) and layer.get_seq_length() == 3
-    buffer = layer._keys
+    buffer = layer._stores["keys"][0]
     k2, v2 = kv(length=1, seed=1)
     keys, _ = layer.update(k2, v2)
-    assert layer._keys is buffer and torch.equal(keys, torch.cat([k1, k2], dim=2))  # written in place
+    assert layer._stores["keys"][0] is buffer and torch.equal(keys, torch.cat([k1, k2], dim=2))  # written in place
     k3, v3 = kv(length=300, seed=2)
     keys, values = layer.update(k3, v3)  # grows, keeping what was there
     assert layer.capacity >= 304 and torch.equal(keys, torch.cat([k1, k2, k3], dim=2))
@@ -79,10 +79,10 @@ def test_preallocated_cache_is_reused_after_reset(llama):
     expected = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, past_key_values=cache)
     assert torch.equal(out, expected)
-    buffers = [layer._keys for layer in cache.layers]
+    buffers = [layer._stores["keys"][0] for layer in cache.layers]
     cache.reset()
     out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, past_key_values=cache)
-    assert torch.equal(out, expected) and all(a is layer._keys for a, layer in zip(buffers, cache.layers))
+    assert torch.equal(out, expected) and all(a is layer._stores["keys"][0] for a, layer in zip(buffers, cache.layers))
 
 
 @pytest.mark.parametrize("speculative", [None, "ngram"])
@@ -117,3 +117,29 @@ def test_a_call_with_its_own_cache_is_left_alone(llama):
     before = ours.length
     llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, past_key_values=own)
     assert own.get_seq_length() > 0 and ours.length == before
+
+
+def test_static_int8_cache_stores_a_third_of_the_bytes_and_reports_its_cost(tiny_model):
+    ids, mask = left_padded_batch(tiny_model)
+    hf_accel.patch(tiny_model, kv_cache="static-int8", speculative=None)
+    details = hf_accel.report(tiny_model)["kv_cache"].details
+    assert details["bytes_per_token"] < 0.35 * details["bytes_per_token_full_precision"]
+    assert 0 < details["logit_error_vs_full_precision_cache"] < 0.05 and details["top1_agreement"] >= 0.9
+    assert 0 <= details["greedy_agreement_16_tokens"] <= 1
+    out = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert out.shape == (3, ids.shape[1] + 8)
+
+
+def test_auto_never_picks_the_lossy_cache(llama):
+    hf_accel.patch(llama)
+    assert hf_accel.report(llama)["kv_cache"].backend == "static"
+
+
+def test_int8_layer_round_trips_within_half_a_step_of_its_scale():
+    layer = Int8Layer(capacity=8)
+    k, v = kv(length=5)
+    keys, values = layer.update(k, v)
+    scale = k.abs().amax(-1, keepdim=True) / 127
+    assert ((keys - k).abs() <= scale / 2 + 1e-6).all()
+    layer.crop(-2)
+    assert layer.get_seq_length() == 3 and layer.keys.shape[2] == 3
