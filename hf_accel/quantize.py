@@ -46,6 +46,21 @@ def selected_linears(context: PatchContext) -> list[tuple[nn.Module, str, str, n
     return chosen
 
 
+def selected_embeddings(context: PatchContext) -> list[tuple[nn.Module, str, str, nn.Embedding]]:
+    """Plain ``nn.Embedding`` tables named by an ``include`` pattern (never by default); subclasses that
+    change the lookup (e.g. scaled embeddings) are left alone."""
+    include = _patterns(context.option("include"))
+    skip = _patterns(context.option("skip"))
+    chosen = []
+    for parent_name, parent in context.model.named_modules():
+        for name, child in parent.named_children():
+            qualified = f"{parent_name}.{name}".lstrip(".")
+            if (type(child) is nn.Embedding and any(p.search(qualified) for p in include)
+                    and not any(p.search(qualified) for p in skip)):
+                chosen.append((parent, name, qualified, child))
+    return chosen
+
+
 def _patterns(value: str | Sequence[str] | None) -> list[re.Pattern]:
     if value is None:
         return []

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hf_accel import Backend, Capabilities, PatchContext, hookimpl
-from hf_accel.quantize import selected_linears, tensor_bytes, weight_and_bias
+from hf_accel.quantize import selected_embeddings, selected_linears, tensor_bytes, weight_and_bias
 
 
 class Int8WeightLinear(nn.Module):
@@ -24,11 +24,10 @@ class Int8WeightLinear(nn.Module):
     def __init__(self, linear: nn.Module) -> None:
         super().__init__()
         weight, bias = weight_and_bias(linear)
-        weight = weight.float()
         self.out_features, self.in_features = weight.shape
-        scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)
-        self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
-        self.register_buffer("scale", scale.to(torch.bfloat16))
+        quantized, scale = quantize_rows(weight.float())
+        self.register_buffer("qweight", quantized)
+        self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def extra_repr(self) -> str:
@@ -42,11 +41,44 @@ class Int8WeightLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+class Int8Embedding(nn.Module):
+    """An embedding table in int8 with one bf16 scale per row; rows are dequantized as they are looked up."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.weight.shape
+        self.padding_idx = embedding.padding_idx
+        quantized, scale = quantize_rows(embedding.weight.detach().float())
+        self.register_buffer("qweight", quantized)
+        self.register_buffer("scale", scale)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 per-row"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].to(torch.float32) * self.scale[ids].to(torch.float32)[..., None]
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per row (output channel)."""
+    scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)
+    return torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale.to(torch.bfloat16)
+
+
 def quantize_int8(context: PatchContext) -> None:
     model, report = context.model, context.report
     report.weight_bytes_before = tensor_bytes(model)
+    replaced: dict[int, nn.Module] = {}  # id(original weight) -> its int8 module, to keep ties tied
+    for parent, name, qualified, embedding in selected_embeddings(context):
+        replaced[id(embedding.weight)] = Int8Embedding(embedding)
+        context.changes.set_submodule(parent, name, replaced[id(embedding.weight)])
+        report.modules.append(qualified)
     for parent, name, qualified, linear in selected_linears(context):
-        context.changes.set_submodule(parent, name, Int8WeightLinear(linear))
+        module = Int8WeightLinear(linear)
+        tied = replaced.get(id(linear.weight))
+        if tied is not None:  # an output head tied to a quantized embedding shares its int8 table
+            module.qweight, module.scale = tied.qweight, tied.scale
+        context.changes.set_submodule(parent, name, module)
         report.modules.append(qualified)
     if not report.modules:
         raise ValueError("no Linear layer matched; check the include=/skip= patterns")

@@ -95,3 +95,25 @@ def test_nf4_is_served_by_bitsandbytes_and_int8_prefers_the_fast_cpu_kernel(llam
     other = make_tiny_model("llama")
     hf_accel.patch(other, quantize="int8", speculative=None)
     assert hf_accel.report(other)["quantize"].backend == "int8_weight_only"
+
+
+def test_including_embeddings_quantizes_the_table_and_keeps_a_tied_head_tied():
+    from hf_accel_plugins.quantize_int8 import Int8Embedding
+
+    model = make_tiny_model("qwen2")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    ids, mask = left_padded_batch(model)
+    hf_accel.patch(model, quantize="int8", include=["embed_tokens", "lm_head", r"layers\."], speculative=None)
+    report = hf_accel.report(model)["quantize"]
+    assert isinstance(model.get_input_embeddings(), Int8Embedding) and "model.embed_tokens" in report.modules
+    assert model.lm_head.qweight is model.get_input_embeddings().qweight  # one int8 table for both
+    assert report.weight_bytes_after < 0.35 * report.weight_bytes_before
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert out.shape == (3, ids.shape[1] + 6)
+
+
+def test_scaled_embeddings_are_left_alone():
+    model = make_tiny_model("gemma2")  # its embedding multiplies by sqrt(hidden): not a plain nn.Embedding
+    hf_accel.patch(model, quantize="int8", include=["embed_tokens", r"layers\."], speculative=None)
+    assert "model.embed_tokens" not in hf_accel.report(model)["quantize"].modules
