@@ -300,8 +300,9 @@ def format_table(rows: list[Row]) -> str:
                       "-" if r.vs_best_native is None else f"{r.vs_best_native:.2f}x",
                       "-" if r.acceptance is None else f"{r.acceptance:.0%}",
                       "-" if r.peak_rss_mb is None else f"{r.peak_rss_mb:.0f}", "yes" if r.identical else "no"))
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
-    out = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
+    lines = [tuple(_cell(c) for c in line) for line in lines]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
     out.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
     return "\n".join(out)
 
@@ -319,13 +320,18 @@ def summary_table(rows: list[Row]) -> str:
         tps = statistics.mean(r.tokens_per_s for r in group)
         same = sum(r.identical for r in group)
         agreement = [r.agreement for r in group if r.agreement is not None]
-        line = f"| {name} | {tps:.1f} | {geo:.2f}x | {same}/{len(group)}"
+        line = f"| {_cell(name)} | {tps:.1f} | {geo:.2f}x | {same}/{len(group)}"
         line += f" ({statistics.mean(agreement):.0%} of tokens) |" if agreement and same < len(group) else " |"
         if quality:
             ppl, mb = group[0].perplexity, group[0].weight_mb
             line += f" {'-' if ppl is None else f'{ppl:.3f}'} | {'-' if mb is None else f'{mb:.0f}'} |"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    """Table cell text; a literal ``|`` (in a regex option, say) would split a Markdown cell."""
+    return str(value).replace("|", "\\|")
 
 
 def write_json(rows: list[Row], path: str | Path) -> None:

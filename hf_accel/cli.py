@@ -242,10 +242,17 @@ def _patch_config(text: str):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise CLIError(f"--patch expects KEY=VALUE pairs, got {item!r}")
-        value = value.strip()
-        kwargs[key.strip()] = None if value.lower() == "none" else int(value) if value.isdigit() else value
+        kwargs[key.strip()] = _option_value(value.strip())
     check_arguments(**kwargs)
     return BenchConfig(f"hf_accel patch({text})", "hf_accel", patch_kwargs=kwargs)
+
+
+def _option_value(text: str):
+    """``none`` -> None, ``true``/``false`` -> bool, digits -> int, anything else stays a string."""
+    words = {"none": None, "true": True, "false": False}
+    if text.lower() in words:
+        return words[text.lower()]
+    return int(text) if text.isdigit() else text
 
 
 def _one_per_category(prompts):
