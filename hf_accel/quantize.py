@@ -61,6 +61,20 @@ def selected_embeddings(context: PatchContext) -> list[tuple[nn.Module, str, str
     return chosen
 
 
+def record_quantization(context: PatchContext, scheme: str) -> None:
+    """What every quantization backend does once its modules are replaced: refuse an empty selection, report
+    the bytes after and the scheme, and (unless ``keep_original=True``) free the originals once patch() has
+    succeeded. Set ``context.report.weight_bytes_before`` before replacing anything."""
+    if not context.report.modules:
+        raise ValueError("no module matched; check the include=/skip= patterns")
+    context.report.weight_bytes_after = tensor_bytes(context.model)
+    context.report.details["scheme"] = scheme
+    if not context.option("keep_original", False):
+        context.changes.forget_on_commit(
+            f"its weights were quantized ({scheme}) and the originals freed; "
+            "patch with keep_original=True to be able to unpatch")
+
+
 def _patterns(value: str | Sequence[str] | None) -> list[re.Pattern]:
     if value is None:
         return []

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hf_accel import Backend, Capabilities, PatchContext, hookimpl
-from hf_accel.quantize import selected_linears, tensor_bytes, weight_and_bias
+from hf_accel.quantize import record_quantization, selected_linears, tensor_bytes, weight_and_bias
 
 logger = logging.getLogger(__name__)
 SCHEMES = ("nf4", "fp4", "int8")
@@ -58,14 +58,7 @@ def quantize(context: PatchContext) -> None:
     for parent, name, qualified, linear in selected_linears(context):
         context.changes.set_submodule(parent, name, bnb_linear(linear, scheme, context.dtype, double_quant))
         report.modules.append(qualified)
-    if not report.modules:
-        raise ValueError("no Linear layer matched; check the include=/skip= patterns")
-    report.weight_bytes_after = tensor_bytes(context.model)
-    report.details["scheme"] = f"bitsandbytes {scheme}" + (" with double quantization" if double_quant else "")
-    if not context.option("keep_original", False):
-        context.changes.forget_on_commit(
-            "its Linear weights were quantized by bitsandbytes and the originals freed; "
-            "patch with keep_original=True to be able to unpatch")
+    record_quantization(context, f"bitsandbytes {scheme}" + (" with double quantization" if double_quant else ""))
 
 
 def bnb_problem() -> str | None:

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from hf_accel import Backend, Capabilities, PatchContext, hookimpl
-from hf_accel.quantize import selected_embeddings, selected_linears, tensor_bytes, weight_and_bias
+from hf_accel.quantize import (
+    record_quantization, selected_embeddings, selected_linears, tensor_bytes, weight_and_bias,
+)
 
 
 class Int8WeightLinear(nn.Module):
@@ -80,14 +82,7 @@ def quantize_int8(context: PatchContext) -> None:
             module.qweight, module.scale = tied.qweight, tied.scale
         context.changes.set_submodule(parent, name, module)
         report.modules.append(qualified)
-    if not report.modules:
-        raise ValueError("no Linear layer matched; check the include=/skip= patterns")
-    report.weight_bytes_after = tensor_bytes(model)
-    report.details["scheme"] = "int8 weights (symmetric, per output channel), bf16 activations"
-    if not context.option("keep_original", False):
-        context.changes.forget_on_commit(
-            "its Linear weights were quantized and the fp32 originals freed; "
-            "patch with keep_original=True to be able to unpatch")
+    record_quantization(context, "int8 weights (symmetric, per output channel), bf16 activations")
 
 
 def kernel_problem() -> str | None:
