@@ -1,7 +1,7 @@
 """``hf-accel bench-attention``: prefill attention alone, per backend, at several sequence lengths.
 
 Times one causal self-attention call with SmolLM2-135M's head layout (9 query heads, 3 key/value heads,
-head dim 64; override with flags) for eager, stock sdpa and each attention backend that can run here, and
+head dim 64) for every attention backend that can run here (eager and stock sdpa included), and
 the extra resident memory each needed (eager materialises the N x N scores; flash kernels do not).
 """
 
@@ -15,11 +15,14 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from . import available_backends
+from . import available_backends, patch
 from .bench import reset_peak_rss, rss_mb
+from .errors import BackendUnavailableError
+from .features import FEATURE_NAMES
 
 
 @dataclass
@@ -48,14 +51,27 @@ class _Layer(nn.Module):
         self.num_key_value_groups = groups
 
 
-def implementations() -> dict[str, Callable]:
-    """eager and stock sdpa, plus every available attention backend's registered function."""
-    found: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": AttentionInterface._global_mapping["sdpa"]}
-    names = {"sdpa_flash": "hf_accel_sdpa_fa", "flash_attn": "hf_accel_fa2"}
+def implementations(heads: int = 9, kv_heads: int = 3, head_dim: int = 64) -> dict[str, Callable]:
+    """The attention function each available attention backend installs, found by patching a one-layer
+    model with this head layout and reading which implementation it selected (so no backend is named here)."""
+    found: dict[str, Callable] = {}
     for status in available_backends():
-        if status.feature == "attention" and status.available and status.name in names:
-            found[status.name] = AttentionInterface._global_mapping[names[status.name]]
+        if status.feature != "attention" or not status.available:
+            continue
+        model = _probe_model(heads, kv_heads, head_dim)
+        try:
+            patch(model, **{**{f: None for f in FEATURE_NAMES}, "attention": status.name}, verify=False)
+        except BackendUnavailableError:
+            continue  # e.g. needs CUDA, or a dtype this probe does not have
+        name = model.config._attn_implementation
+        found[status.name] = eager_attention_forward if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
     return found
+
+
+def _probe_model(heads: int, kv_heads: int, head_dim: int) -> nn.Module:
+    config = LlamaConfig(vocab_size=16, hidden_size=heads * head_dim, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    return LlamaForCausalLM(config).eval()
 
 
 def bench_attention(lengths=(512, 2048, 8192), heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
@@ -72,9 +88,10 @@ def bench_attention(lengths=(512, 2048, 8192), heads: int = 9, kv_heads: int = 3
         v = torch.randn(1, kv_heads, n, head_dim, generator=g, dtype=dtype)
         causal = torch.ones(m, n, dtype=torch.bool).tril(diagonal=n - m)
         calls = {}
-        for name, fn in implementations().items():
-            # eager takes an additive mask; the sdpa family a boolean one, or None for plain causal prefill
-            if name == "eager":
+        for name, fn in implementations(heads, kv_heads, head_dim).items():
+            # transformers' eager function ignores is_causal, so it gets an additive mask; the others a boolean
+            # one, or None for plain causal prefill
+            if fn is eager_attention_forward:
                 mask = torch.zeros(1, 1, m, n, dtype=dtype).masked_fill(~causal, float("-inf"))
             else:
                 mask = causal[None, None] if queries else None
