@@ -21,6 +21,7 @@ from .features import FEATURE_NAMES
 from .prompts import Prompt, encode_chat
 from .quality import perplexity
 from .quantize import tensor_bytes
+from .timing import timed_generate
 
 _ALL_OFF = {name: None for name in FEATURE_NAMES}
 
@@ -87,31 +88,6 @@ def default_configs(features_available: set[str], quantize: list[str]) -> list[B
     return configs
 
 
-class _FirstToken:
-    """A streamer that only notes when the first generated token arrives."""
-
-    def __init__(self) -> None:
-        self.calls, self.first_at = 0, None
-
-    def put(self, value: torch.Tensor) -> None:
-        self.calls += 1
-        if self.calls == 2 and self.first_at is None:  # the first put is the prompt
-            self.first_at = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
-def _timed(model, inputs, max_new_tokens: int, kwargs: dict[str, Any]) -> tuple[torch.Tensor, float, float]:
-    streamer = _FirstToken()
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer, **kwargs)
-    seconds = time.perf_counter() - start
-    ttft = (streamer.first_at or time.perf_counter()) - start
-    return out[:, inputs["input_ids"].shape[1]:], seconds, ttft
-
-
 def reset_peak_rss() -> bool:
     """Restart the kernel's peak-RSS counter for this process (Linux); False where that is not possible."""
     try:
@@ -173,10 +149,10 @@ def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_t
             if config.warmup_each_prompt and inputs is not encoded[0]:
                 warm = _warm_up(model, inputs, config, max_new_tokens)
             before = _acceptance(model) if config.patch_kwargs is not None else (0, 0)
-            runs = [_timed(model, inputs, max_new_tokens, config.generate_kwargs) for _ in range(repeat)]
+            runs = [timed_generate(model, inputs, max_new_tokens, **config.generate_kwargs) for _ in range(repeat)]
             after = _acceptance(model) if config.patch_kwargs is not None else (0, 0)
-            tokens = runs[0][0]
-            speeds = [t.shape[-1] / s for t, s, _ in runs]
+            tokens = runs[0].tokens
+            speeds = [run.tokens_per_s for run in runs]
             key = f"{prompt.category}:{prompt.name}"
             if config.group == "stock":
                 stock_tokens[key] = tokens
@@ -184,7 +160,7 @@ def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_t
             rows.append(Row(
                 config=name, group=config.group, prompt=key, prompt_category=prompt.category,
                 tokens=tokens.shape[-1], tokens_per_s=statistics.median(speeds), tokens_per_s_min=min(speeds),
-                tokens_per_s_max=max(speeds), ttft_s=statistics.median(r[2] for r in runs), warmup_s=warm,
+                tokens_per_s_max=max(speeds), ttft_s=statistics.median(r.ttft_s for r in runs), warmup_s=warm,
                 identical=key in stock_tokens and torch.equal(tokens, stock_tokens[key]),
                 agreement=_agreement(tokens, stock_tokens.get(key)),
                 acceptance=(after[1] - before[1]) / drafted if drafted else None, peak_rss_mb=None))
@@ -229,7 +205,7 @@ def _quality(model, tokenizer) -> tuple[float, float]:
 def _warm_up(model, inputs, config: BenchConfig, max_new_tokens: int) -> float:
     """Untimed first call(s): compiled configurations compile for this prompt's shapes here."""
     start = time.perf_counter()
-    _timed(model, inputs, max_new_tokens if config.warmup_each_prompt else 8, config.generate_kwargs)
+    timed_generate(model, inputs, max_new_tokens if config.warmup_each_prompt else 8, **config.generate_kwargs)
     return time.perf_counter() - start
 
 
