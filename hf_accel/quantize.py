@@ -15,12 +15,20 @@ from .backends import PatchContext
 LINEAR_TYPES = (nn.Linear, Conv1D)
 
 
-def linear_children(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, nn.Module]]:
-    """(parent, child name, qualified name, module) for every plain ``nn.Linear`` or ``Conv1D``."""
+Child = tuple[nn.Module, str, str, nn.Module]  # (parent, child name, qualified name, child)
+
+
+def children_of_type(model: nn.Module, types: tuple[type, ...]) -> Iterator[Child]:
+    """Every submodule whose type is exactly one of ``types`` (subclasses may change what forward does)."""
     for parent_name, parent in model.named_modules():
         for name, child in parent.named_children():
-            if type(child) in LINEAR_TYPES:
+            if type(child) in types:
                 yield parent, name, f"{parent_name}.{name}".lstrip("."), child
+
+
+def linear_children(model: nn.Module) -> Iterator[Child]:
+    """Every plain ``nn.Linear`` or ``Conv1D``."""
+    return children_of_type(model, LINEAR_TYPES)
 
 
 def weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -29,35 +37,30 @@ def weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
     return (weight.t() if isinstance(module, Conv1D) else weight), module.bias
 
 
-def selected_linears(context: PatchContext) -> list[tuple[nn.Module, str, str, nn.Linear]]:
+def selected_linears(context: PatchContext) -> list[Child]:
     """The Linear layers to quantize: those of the decoder blocks by default (not the output head); the
     ``include`` / ``skip`` options (regular expressions on qualified names) override that."""
-    include = _patterns(context.option("include"))
-    skip = _patterns(context.option("skip"))
     head = context.model.get_output_embeddings()
-    chosen = []
-    for parent, name, qualified, linear in linear_children(context.model):
-        if include:
-            wanted = any(p.search(qualified) for p in include)
-        else:
-            wanted = linear is not head
-        if wanted and not any(p.search(qualified) for p in skip):
-            chosen.append((parent, name, qualified, linear))
-    return chosen
+    return _select(context, linear_children(context.model), default=lambda module: module is not head)
 
 
-def selected_embeddings(context: PatchContext) -> list[tuple[nn.Module, str, str, nn.Embedding]]:
+def selected_embeddings(context: PatchContext) -> list[Child]:
     """Plain ``nn.Embedding`` tables named by an ``include`` pattern (never by default); subclasses that
     change the lookup (e.g. scaled embeddings) are left alone."""
+    return _select(context, children_of_type(context.model, (nn.Embedding,)), default=lambda module: False)
+
+
+def _select(context: PatchContext, candidates: Iterator[Child], default) -> list[Child]:
+    """Candidates named by an ``include`` pattern (or, with none given, those ``default`` accepts), less
+    those named by a ``skip`` pattern."""
     include = _patterns(context.option("include"))
     skip = _patterns(context.option("skip"))
     chosen = []
-    for parent_name, parent in context.model.named_modules():
-        for name, child in parent.named_children():
-            qualified = f"{parent_name}.{name}".lstrip(".")
-            if (type(child) is nn.Embedding and any(p.search(qualified) for p in include)
-                    and not any(p.search(qualified) for p in skip)):
-                chosen.append((parent, name, qualified, child))
+    for child in candidates:
+        qualified, module = child[2], child[3]
+        wanted = any(p.search(qualified) for p in include) if include else default(module)
+        if wanted and not any(p.search(qualified) for p in skip):
+            chosen.append(child)
     return chosen
 
 

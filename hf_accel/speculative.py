@@ -81,6 +81,13 @@ class SpeculativeStats:
     accepted: int = 0
     generated: int = 0
 
+    def add(self, call: SpeculativeStats) -> None:
+        """Count one call's loop (calls and fallbacks are counted by the runner)."""
+        self.target_forwards += call.target_forwards
+        self.drafted += call.drafted
+        self.accepted += call.accepted
+        self.generated += call.generated
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
@@ -451,8 +458,7 @@ class SpeculativeRunner:
                                plan.max_new_tokens, self.draft_length, cache=call.reusable_cache())
         with torch.no_grad():
             loop.run(plan.input_ids, plan.attention_mask)
-        for name in ("target_forwards", "drafted", "accepted", "generated"):
-            setattr(self.stats, name, getattr(self.stats, name) + getattr(loop.stats, name))
+        self.stats.add(loop.stats)
         self.details.update(self.stats.as_details(), draft_length=self.draft_length.k)
         return to_output(loop, plan.config)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_accel import Backend, Capabilities, PatchContext, hookimpl
-from hf_accel.quantize import linear_children as all_linear_children
+from hf_accel.quantize import children_of_type
 
 #: The row count oneDNN is told to expect when it packs: measured fastest for 1-16 rows on 2 cores.
 PACK_FOR_ROWS = 8
@@ -49,7 +49,7 @@ class PackedLinear(nn.Module):
 
 def linear_children(model: nn.Module):
     """Every plain ``nn.Linear`` (Conv1D layers keep their own kernel)."""
-    return ((p, n, q, m) for p, n, q, m in all_linear_children(model) if type(m) is nn.Linear)
+    return children_of_type(model, (nn.Linear,))
 
 
 def pack_linears(context: PatchContext) -> None:
