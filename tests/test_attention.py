@@ -44,8 +44,9 @@ def test_backend_logits_match_eager(arch, backend, shape, reference_kernels):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_backend_greedy_generate_is_token_identical(tiny_model, backend, reference_kernels):
-    ids, mask = left_padded_batch(tiny_model, (23, 9, 14))
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_backend_greedy_generate_is_token_identical(tiny_model, backend, shape, reference_kernels):
+    ids, mask = left_padded_batch(tiny_model, SHAPES[shape])
     expected = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
     try:
         hf_accel.patch(tiny_model, attention=backend, speculative=None)
