@@ -6,6 +6,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+
 from .hookspecs import hookimpl
 from .state import get_state
 
@@ -13,6 +15,19 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from .state import PatchState
+
+
+#: generate arguments that are model inputs, not generation settings.
+_MODEL_INPUTS = frozenset({"inputs", "input_ids", "attention_mask", "past_key_values", "streamer", "logits_processor",
+                           "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "negative_prompt_ids",
+                           "negative_prompt_attention_mask", "use_model_defaults", "custom_generate"})
+
+
+@dataclass(frozen=True)
+class _CallShape:
+    batch_size: int
+    length: int  # prompt plus new tokens
+    disable_compile: bool
 
 
 @dataclass
@@ -25,13 +40,34 @@ class GenerateCall:
     kwargs: dict[str, Any]
 
     def run_stock(self, **overrides: Any) -> Any:
-        """The model's original ``generate`` with the user's arguments (and ``overrides``), using the
-        patch's KV cache unless the call brings its own cache or cache implementation."""
+        """The model's original ``generate`` with the user's arguments (and ``overrides``), running over the
+        patch's compiled decode step or KV cache where the call is one they serve."""
         kwargs = {**self.kwargs, **overrides}
-        cache = self.reusable_cache()
-        if cache is not None:
+        shape = self._served_shape(kwargs)
+        step, cache = self.state.compiled_step, self.state.kv_cache
+        if shape is not None and step is not None and not shape.disable_compile:
+            kwargs.update(step.generate_kwargs(shape.batch_size, shape.length))
+        elif shape is not None and cache is not None:
+            cache.reset()
             kwargs["past_key_values"] = cache
         return self.state.original_generate(*self.args, **kwargs)
+
+    def _served_shape(self, kwargs: dict[str, Any]) -> _CallShape | None:
+        """Batch size and total length of a call the patch's caches may serve: greedy or sampling, without
+        a cache or cache implementation of its own; None for anything else (beam search, assisted, ...)."""
+        if kwargs.get("past_key_values") is not None or "cache_implementation" in kwargs:
+            return None
+        input_ids = self.args[0] if self.args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            return None
+        settings = {k: v for k, v in kwargs.items() if k not in _MODEL_INPUTS}
+        config, _ = self.model._prepare_generation_config(settings.pop("generation_config", None), **settings)
+        if (config.num_beams != 1 or config.prompt_lookup_num_tokens or config.cache_implementation is not None
+                or settings.get("assistant_model") is not None):
+            return None
+        batch_size, prompt = input_ids.shape
+        new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
+        return _CallShape(batch_size, prompt + max(new_tokens, 1), bool(config.disable_compile))
 
     def reusable_cache(self) -> Any:
         """The patch's KV cache, emptied, if this call may use it; else None."""

@@ -35,6 +35,8 @@ class PatchState:
     runner: Callable[[GenerateCall], Any] | None = None
     #: The KV cache every generate call reuses (set by a kv_cache backend), or None for transformers' default.
     kv_cache: Any = None
+    #: The compiled decode step stock generate runs (set by a compile backend), or None.
+    compiled_step: Any = None
 
     def __repr__(self) -> str:
         return f"<PatchState of {type(self.model).__name__}: {len(self.changes)} backends applied>"

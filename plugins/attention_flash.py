@@ -28,7 +28,7 @@ from hf_accel.attention import head_dim, register_implementation, set_attention,
 
 SDPA_FLASH = "hf_accel_sdpa_fa"  # transformers treats names containing "flash" as hub kernels
 FLASH_ATTN = "hf_accel_fa2"
-#: Which kernel ``sdpa_flash`` ran, and why when it was not the flash kernel (process-wide counts).
+#: Which kernel ``sdpa_flash`` ran, and why when it was not the flash kernel (process-wide counts of eager calls).
 KERNEL_CALLS: Counter[str] = Counter()
 
 
@@ -41,7 +41,8 @@ def sdpa_flash_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.
     causal = attention_mask is None and query.shape[2] > 1 and bool(
         is_causal if is_causal is not None else getattr(module, "is_causal", True))
     kernel, why = _sdpa_kernel_for(query, attention_mask)
-    KERNEL_CALLS[f"{kernel.name.lower()}{f' ({why})' if why else ''}"] += 1
+    if not torch.compiler.is_compiling():  # a Python counter in a compiled graph would recompile every step
+        KERNEL_CALLS[f"{kernel.name.lower()}{f' ({why})' if why else ''}"] += 1
     gqa = query.shape[1] != key.shape[1]
     if gqa and kernel is not SDPBackend.FLASH_ATTENTION and query.device.type != "cpu":
         repeat = query.shape[1] // key.shape[1]  # only CUDA's flash and math kernels take GQA natively

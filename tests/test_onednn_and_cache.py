@@ -103,7 +103,7 @@ def test_static_kv_cache_grows_for_a_long_call():
     model = make_tiny_model("mistral")
     ids, mask = left_padded_batch(model, (300,))
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
-    hf_accel.patch(model, kv_cache="static", speculative=None, cache_capacity=16)
+    hf_accel.patch(model, kv_cache="static", compile=None, speculative=None, cache_capacity=16)
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False), expected)
     assert model._hf_accel_state.kv_cache.capacity >= 320
 
@@ -111,7 +111,7 @@ def test_static_kv_cache_grows_for_a_long_call():
 def test_a_call_with_its_own_cache_is_left_alone(llama):
     from transformers import DynamicCache
 
-    hf_accel.patch(llama, kv_cache="static", speculative=None)
+    hf_accel.patch(llama, kv_cache="static", compile=None, speculative=None)
     ids, mask = left_padded_batch(llama, (5,))
     own, ours = DynamicCache(), llama._hf_accel_state.kv_cache.layers[0]
     before = ours.length

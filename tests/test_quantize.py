@@ -58,14 +58,15 @@ def test_unsupported_schemes_and_dtypes_fail_clearly(scheme, message):
         hf_accel.patch(model, quantize=scheme)
 
 
-def test_all_four_features_together(tiny_model):
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_all_four_features_together(tiny_model, scheme):
     ids, mask = left_padded_batch(tiny_model)
-    hf_accel.patch(tiny_model, quantize="int8", keep_original=True, speculative="ngram")
+    hf_accel.patch(tiny_model, quantize=scheme, keep_original=True, speculative="ngram")
     # the reference is the quantized model's own greedy output without speculation or the cache
     reference = tiny_model._hf_accel_state.original_generate(input_ids=ids, attention_mask=mask, max_new_tokens=20,
                                                             do_sample=False)
     report = hf_accel.report(tiny_model)
-    assert report["quantize"].backend == "int8_weight_only" and report["attention"].backend
+    assert report["quantize"].backend == f"{scheme}_weight_only" and report["attention"].backend
     assert report["kv_cache"].backend == "static" and report["speculative"].backend == "ngram"
     out = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
     assert torch.equal(out, reference)
@@ -117,3 +118,62 @@ def test_scaled_embeddings_are_left_alone():
     model = make_tiny_model("gemma2")  # its embedding multiplies by sqrt(hidden): not a plain nn.Embedding
     hf_accel.patch(model, quantize="int8", include=["embed_tokens", r"layers\."], speculative=None)
     assert "model.embed_tokens" not in hf_accel.report(model)["quantize"].modules
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_linear_matches_its_dequantized_weights(group_size):
+    from hf_accel_plugins.quantize_int4 import Int4WeightLinear, quantize_groups
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 96)
+    module = Int4WeightLinear(linear, group_size)
+    codes, scale, minimum = quantize_groups(linear.weight.detach(), group_size)
+    assert codes.min() >= 0 and codes.max() <= 15 and scale.shape == (96, 128 // group_size)
+    dequantized = (codes.reshape(96, -1, group_size) * scale[..., None] + minimum[..., None]).reshape(96, 128)
+    assert (dequantized - linear.weight).abs().max() <= scale.max() / 2 + 1e-6
+    x = torch.randn(2, 5, 128)
+    expected = torch.nn.functional.linear(x, dequantized, linear.bias)
+    assert module(x).shape == (2, 5, 96) and module(x).dtype == torch.float32
+    assert ((module(x) - expected).abs().max() / expected.abs().max()) < 0.01  # bf16 activations
+
+
+def test_int4_quantizes_every_architecture(tiny_model):
+    from hf_accel_plugins.quantize_int4 import Int4WeightLinear
+
+    ids, mask = left_padded_batch(tiny_model)
+    hf_accel.patch(tiny_model, quantize="int4", speculative=None)
+    report = hf_accel.report(tiny_model)["quantize"]
+    assert report.backend == "int4_weight_only" and report.verification.passed
+    names = sorted(n for n, m in tiny_model.named_modules() if isinstance(m, Int4WeightLinear))
+    assert names == sorted(report.modules) and "lm_head" not in names
+    assert report.weight_bytes_after < report.weight_bytes_before
+    for length in (1, ids.shape[1]):
+        out = tiny_model.generate(input_ids=ids[:, -length:], attention_mask=mask[:, -length:], max_new_tokens=5,
+                                  do_sample=False)
+        assert out.shape == (3, length + 5)
+
+
+def test_int4_embedding_and_head_with_a_tied_table():
+    from hf_accel_plugins.quantize_int4 import Int4Embedding, Int4WeightLinear
+
+    model = make_tiny_model("qwen2")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    ids, mask = left_padded_batch(model)
+    table = model.get_input_embeddings().weight.detach().clone()
+    hf_accel.patch(model, quantize="int4", include=["embed_tokens", "lm_head", r"layers\."], group_size=64,
+                   speculative=None)
+    report = hf_accel.report(model)["quantize"]
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding, Int4Embedding) and isinstance(model.lm_head, Int4WeightLinear)
+    looked_up = embedding(torch.tensor([[3, 7]]))
+    assert looked_up.shape == (1, 2, 64) and (looked_up[0] - table[[3, 7]]).abs().max() < table.abs().max() / 8
+    assert report.weight_bytes_after < 0.2 * report.weight_bytes_before
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert out.shape == (3, ids.shape[1] + 6)
+
+
+def test_int4_rejects_a_group_size_the_kernel_cannot_run(llama):
+    with pytest.raises(hf_accel.PatchError, match="group_size=48"):
+        hf_accel.patch(llama, quantize="int4", group_size=48)
+    assert not quantized_names(llama) and hf_accel.report(llama)["quantize"].backend is None

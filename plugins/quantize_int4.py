@@ -1,0 +1,140 @@
+"""``quantize="int4"`` on CPU: 4-bit weights in groups along the input dimension, activations in bf16.
+
+Each group of ``group_size`` input weights of an output channel gets a bf16 scale and offset (asymmetric
+min-max); the product runs in aten's ``_weight_int4pack_mm_for_cpu`` on weights packed once by
+``_convert_weight_to_int4pack_for_cpu``, the same kernel torchao's int4 weight-only CPU layout calls.
+Embedding tables named by ``include=`` keep a plain nibble table, dequantized row by row on lookup (the
+kernel's packed layout is not row-addressable, so a head tied to a quantized embedding gets its own copy).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from hf_accel import Backend, Capabilities, PatchContext, hookimpl
+from hf_accel.quantize import record_quantization, selected_embeddings, selected_linears, tensor_bytes, weight_and_bias
+
+logger = logging.getLogger(__name__)
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes ``q`` in 0..15 (int32, ``[out, in]``), and per group the scale and minimum
+    (``[out, in // group_size]``), so that ``weight ≈ q * scale + minimum``."""
+    rows, columns = weight.shape
+    groups = weight.float().reshape(rows, columns // group_size, group_size)
+    minimum, maximum = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((maximum - minimum) / 15).clamp_min(1e-8)
+    codes = torch.round((groups - minimum[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return codes.reshape(rows, columns), scale, minimum
+
+
+class Int4WeightLinear(nn.Module):
+    """``y = x @ dequant(W)^T + b`` through aten's int4 CPU kernel. Built from an ``nn.Linear`` or ``Conv1D``
+    whose input size is a multiple of ``group_size``."""
+
+    def __init__(self, linear: nn.Module, group_size: int) -> None:
+        super().__init__()
+        weight, bias = weight_and_bias(linear)
+        self.out_features, self.in_features = weight.shape
+        self.group_size = group_size
+        codes, scale, minimum = quantize_groups(weight, group_size)
+        # The kernel computes (q - 8) * scale + zero, so its "zero" is the value of the middle code.
+        zero = minimum + 8 * scale
+        scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
+        self.register_buffer("packed_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int4 groups of {self.group_size}, bf16 activations")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, self.group_size,
+                                                          self.scales_and_zeros).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Embedding(nn.Module):
+    """An embedding table as 4-bit codes, two per byte, with a bf16 scale and minimum per group of columns."""
+
+    def __init__(self, embedding: nn.Embedding, group_size: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.weight.shape
+        self.padding_idx = embedding.padding_idx
+        self.group_size = group_size
+        codes, scale, minimum = quantize_groups(embedding.weight.detach(), group_size)
+        self.register_buffer("nibbles", (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.register_buffer("minimum", minimum.to(torch.bfloat16))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int4 groups of {self.group_size}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        nibbles = self.nibbles[ids]
+        codes = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).flatten(-2).float()
+        groups = codes.unflatten(-1, (-1, self.group_size))
+        values = groups * self.scale[ids].float()[..., None] + self.minimum[ids].float()[..., None]
+        return values.flatten(-2)
+
+
+def quantize_int4(context: PatchContext) -> None:
+    group_size = int(context.option("group_size", 32))
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size={group_size}; the int4 CPU kernel takes one of {GROUP_SIZES}")
+    model, report = context.model, context.report
+    report.weight_bytes_before = tensor_bytes(model)
+    unsuitable = []
+    for parent, name, qualified, embedding in selected_embeddings(context):
+        if embedding.embedding_dim % group_size:
+            unsuitable.append(qualified)
+            continue
+        context.changes.set_submodule(parent, name, Int4Embedding(embedding, group_size))
+        report.modules.append(qualified)
+    for parent, name, qualified, linear in selected_linears(context):
+        if weight_and_bias(linear)[0].shape[1] % group_size:
+            unsuitable.append(qualified)
+            continue
+        context.changes.set_submodule(parent, name, Int4WeightLinear(linear, group_size))
+        report.modules.append(qualified)
+    if unsuitable:
+        report.details["left_in_full_precision"] = unsuitable
+        logger.info("int4: %d modules left in full precision (input size not a multiple of group_size=%d): %s",
+                    len(unsuitable), group_size, ", ".join(unsuitable[:5]) + (" ..." if len(unsuitable) > 5 else ""))
+    record_quantization(context, f"int4 weights (asymmetric, groups of {group_size}), bf16 activations")
+
+
+def kernel_problem() -> str | None:
+    try:
+        codes = torch.zeros(16, 64, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        torch.ops.aten._weight_int4pack_mm_for_cpu(torch.ones(1, 64, dtype=torch.bfloat16), packed, 32,
+                                                  torch.ones(2, 16, 2, dtype=torch.bfloat16))
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        return f"this PyTorch build has no CPU int4 weight-only kernel ({exc})"
+    return None
+
+
+@hookimpl
+def hf_accel_register_backends(register):
+    register(Backend(
+        name="int4_weight_only",
+        feature="quantize",
+        apply=quantize_int4,
+        why_unavailable=kernel_problem,
+        capabilities=Capabilities(devices=("cpu",), dtypes=(torch.float32, torch.bfloat16)),
+        priority=10,
+        lossless=False,
+        tolerance=0.5,
+        variants=("int4",),
+        options={"include": None, "skip": None, "keep_original": False, "group_size": 32},
+        description="int4 weights in groups of 32 (asymmetric), bf16 activations, aten's int4 CPU kernel",
+    ))
