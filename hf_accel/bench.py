@@ -57,6 +57,7 @@ class Row:
     peak_rss_mb: float | None = None
     perplexity: float | None = None  # on hf_accel/data/eval.txt; stock and quantized configurations
     weight_mb: float | None = None  # parameters and quantized buffers; stock and quantized configurations
+    compile_s: float | None = None  # time spent compiling the decode step, over all of the configuration's calls
 
 
 def native_static_compile() -> dict[str, Any]:
@@ -76,13 +77,20 @@ def default_configs(features_available: set[str], quantize: list[str]) -> list[B
         BenchConfig("native: prompt lookup", "native", {"prompt_lookup_num_tokens": 10}),
     ]
     for feature in FEATURE_NAMES:
-        if feature in features_available and feature != "quantize":
+        if feature in features_available and feature not in ("quantize", "compile"):
             configs.append(BenchConfig(f"hf_accel {feature} only", "hf_accel",
                                        patch_kwargs={**_ALL_OFF, feature: "auto"}))
+        if feature == "compile" and feature in features_available:  # the compiled step runs over a static cache
+            configs.append(BenchConfig("hf_accel kv_cache + compile", "hf_accel",
+                                       patch_kwargs={**_ALL_OFF, "kv_cache": "auto", "compile": "auto"}))
     configs.append(BenchConfig("hf_accel patch(model)", "hf_accel", patch_kwargs={}))
     for scheme in quantize:
         configs.append(BenchConfig(f"hf_accel quantize={scheme} only", "hf_accel",
                                    patch_kwargs={**_ALL_OFF, "quantize": scheme, "keep_original": True}))
+        if "compile" in features_available:
+            configs.append(BenchConfig(f"hf_accel quantize={scheme} + kv_cache + compile", "hf_accel",
+                                       patch_kwargs={**_ALL_OFF, "quantize": scheme, "kv_cache": "auto",
+                                                     "compile": "auto", "keep_original": True}))
         configs.append(BenchConfig(f"hf_accel patch(model, quantize={scheme})", "hf_accel",
                                    patch_kwargs={"quantize": scheme, "keep_original": True}))
     return configs
@@ -167,9 +175,11 @@ def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_t
             warm = 0.0
         peak = rss_mb()
         quality = _quality(model, tokenizer) if config.group == "stock" or _quantized(config) else (None, None)
+        compile_s = report(model)["compile"].details.get("compile_seconds") if config.patch_kwargs is not None else None
         for row in rows:
             row.peak_rss_mb = peak
             row.perplexity, row.weight_mb = quality
+            row.compile_s = compile_s
     finally:
         if config.patch_kwargs is not None:
             unpatch(model)
@@ -267,12 +277,13 @@ def _fill_ratios(rows: list[Row]) -> None:
 
 
 def format_table(rows: list[Row]) -> str:
-    header = ("config", "prompt", "tok/s", "min-max", "TTFT s", "warm-up s", "vs stock", "vs native", "accept",
-              "peak RSS MB", "identical")
+    header = ("config", "prompt", "tok/s", "min-max", "TTFT s", "warm-up s", "compile s", "vs stock", "vs native",
+              "accept", "peak RSS MB", "identical")
     lines = [header]
     for r in rows:
         lines.append((r.config, r.prompt, f"{r.tokens_per_s:.1f}", f"{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}",
-                      f"{r.ttft_s:.2f}", f"{r.warmup_s:.1f}", f"{r.speedup:.2f}x",
+                      f"{r.ttft_s:.2f}", f"{r.warmup_s:.1f}", "-" if r.compile_s is None else f"{r.compile_s:.1f}",
+                      f"{r.speedup:.2f}x",
                       "-" if r.vs_best_native is None else f"{r.vs_best_native:.2f}x",
                       "-" if r.acceptance is None else f"{r.acceptance:.0%}",
                       "-" if r.peak_rss_mb is None else f"{r.peak_rss_mb:.0f}", "yes" if r.identical else "no"))
@@ -289,8 +300,9 @@ def summary_table(rows: list[Row]) -> str:
     for r in rows:
         by_config.setdefault(r.config, []).append(r)
     quality = any(r.perplexity is not None for r in rows)
-    head = "| config | mean tok/s | speedup (geo-mean) | identical |" + (" perplexity | weights MB |" if quality else "")
-    lines = [head, "| --- " * (4 + 2 * quality) + "|"]
+    head = ("| config | mean tok/s | speedup (geo-mean) | identical | compile s |"
+            + (" perplexity | weights MB |" if quality else ""))
+    lines = [head, "| --- " * (5 + 2 * quality) + "|"]
     for name, group in by_config.items():
         geo = statistics.geometric_mean(r.speedup for r in group)
         tps = statistics.mean(r.tokens_per_s for r in group)
@@ -298,6 +310,7 @@ def summary_table(rows: list[Row]) -> str:
         agreement = [r.agreement for r in group if r.agreement is not None]
         line = f"| {_cell(name)} | {tps:.1f} | {geo:.2f}x | {same}/{len(group)}"
         line += f" ({statistics.mean(agreement):.0%} of tokens) |" if agreement and same < len(group) else " |"
+        line += f" {'-' if group[0].compile_s is None else f'{group[0].compile_s:.1f}'} |"
         if quality:
             ppl, mb = group[0].perplexity, group[0].weight_mb
             line += f" {'-' if ppl is None else f'{ppl:.3f}'} | {'-' if mb is None else f'{mb:.0f}'} |"

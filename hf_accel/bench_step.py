@@ -16,9 +16,9 @@ from torch import nn
 
 from .cached_lm import CachedLM
 
-#: Profiler names of the kernels that multiply by a weight matrix (fp32, prepacked, int8).
+#: Profiler names of the kernels that multiply by a weight matrix (fp32, prepacked, int8, int4).
 MATMUL_KERNELS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm",
-                            "quantized::linear_dynamic"})
+                            "aten::_weight_int4pack_mm_for_cpu", "quantized::linear_dynamic"})
 
 
 @dataclass
@@ -38,13 +38,13 @@ class StepProfile:
 
 
 def matmul_weight_bytes(model: nn.Module) -> int:
-    """Bytes of every 2-D weight (or int8 ``qweight``) a step multiplies by: all leaf modules with one,
+    """Bytes of every 2-D weight (or quantized ``qweight`` / ``packed_weight``) a step multiplies by: all leaf modules with one,
     except embedding tables, which are indexed rather than read whole. Tied tensors count once."""
     seen, total = set(), 0
     for module in model.modules():
         if next(module.children(), None) is not None or isinstance(module, nn.Embedding):
             continue
-        for name in ("weight", "qweight"):
+        for name in ("packed_weight", "qweight", "weight"):
             tensor = getattr(module, name, None)
             if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.data_ptr() not in seen:
                 seen.add(tensor.data_ptr())
@@ -88,6 +88,29 @@ def profile_step(model: nn.Module, config: str, context: int = 300, chunk: int =
     matmul_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_KERNELS)
     return StepProfile(config, 1000 * sorted(times)[len(times) // 2], matmul_us / 1000 / steps,
                        matmul_weight_bytes(model) / 2**20)
+
+
+def profile_generate_step(model: nn.Module, config: str, context: int = 300, steps: int = 32) -> StepProfile:
+    """The same, for a decode step inside ``generate`` (so through a patch's compiled step, if any): the
+    difference between generating ``steps + 1`` tokens and one token, divided by ``steps``."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
+
+    def run(new_tokens: int) -> None:
+        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                       max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+
+    run(steps + 1)  # warm up (and compile)
+    seconds, matmul = {}, {}
+    for n in (1, steps + 1):
+        start = time.perf_counter()
+        run(n)
+        seconds[n] = time.perf_counter() - start
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run(n)
+        matmul[n] = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_KERNELS) / 1000
+    return StepProfile(config, 1000 * (seconds[steps + 1] - seconds[1]) / steps,
+                       (matmul[steps + 1] - matmul[1]) / steps, matmul_weight_bytes(model) / 2**20)
 
 
 def format_step_table(rows: list[StepProfile], bandwidth: float) -> str:

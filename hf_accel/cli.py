@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_arguments(step)
     step.add_argument("--context", type=int, default=300, help="prompt length before the step")
     step.add_argument("--chunk", type=int, default=1, help="tokens per step (>1: a speculative verification)")
-    step.add_argument("--steps", type=int, default=8)
+    step.add_argument("--steps", type=int, default=32, help="decode steps measured")
     step.add_argument("--quantize", default="", help="comma-separated quantize schemes to add")
     step.set_defaults(func=cmd_bench_step)
 
@@ -210,7 +210,7 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_step(args: argparse.Namespace) -> int:
-    from .bench_step import format_step_table, memory_read_gb_s, profile_step
+    from .bench_step import format_step_table, memory_read_gb_s, profile_generate_step, profile_step
 
     if min(args.context, args.chunk, args.steps) < 1:
         raise CLIError("--context, --chunk and --steps must be at least 1")
@@ -218,11 +218,18 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     for scheme in schemes:
         check_arguments(quantize=scheme)
     model, _ = _load(args)
-    measure = lambda name: profile_step(model, name, args.context, args.chunk, args.steps)  # noqa: E731
+    if args.chunk == 1:  # a decode step inside generate, where a compiled step runs
+        measure = lambda name: profile_generate_step(model, name, args.context, args.steps)  # noqa: E731
+    else:  # a verification chunk, as the speculative loop runs it (eager)
+        measure = lambda name: profile_step(model, name, args.context, args.chunk, args.steps)  # noqa: E731
     rows = [measure("stock")]
-    configs = [("hf_accel compile only", {"attention": None, "kv_cache": None, "speculative": None})]
-    configs.append(("hf_accel patch(model) without speculation", {"speculative": None}))
-    configs += [(f"hf_accel quantize={q}", {"quantize": q, "speculative": None, "keep_original": True}) for q in schemes]
+    off = {"attention": None, "kv_cache": None, "speculative": None}
+    configs = [("hf_accel kv_cache only (eager)", {**off, "compile": None, "kv_cache": "auto"}),
+               ("hf_accel compile=onednn_prepack (eager)", {**off, "compile": "onednn_prepack"}),
+               ("hf_accel kv_cache + compile", {**off, "kv_cache": "auto", "compile": "auto"}),
+               ("hf_accel patch(model) without speculation", {"speculative": None})]
+    configs += [(f"hf_accel quantize={q} + kv_cache + compile", {"quantize": q, "speculative": None,
+                                                                  "keep_original": True}) for q in schemes]
     for name, kwargs in configs:
         patch(model, **kwargs)
         try:

@@ -1,27 +1,31 @@
-"""Drafters that run a model: a smaller draft model given by the user, or an int8 copy of the target.
+"""Drafters that run a model: a smaller draft model given by the user, or a quantized copy of the target.
 
 ``draft_model``: ``patch(model, speculative=small_model)`` (or ``speculative="draft_model",
 draft_model=small_model``). The draft model must share the target's tokenizer.
 
-``self_int8``: a copy of the target whose Linear layers are int8 with one scale per output channel
-(fbgemm's dynamic-quantized kernels on CPU). It shares the target's embeddings and norms, costs about a
-quarter of the Linear weights in extra memory, agrees with the target on most tokens, and runs each
-drafted token in a fraction of the target's time on memory-bound hardware. Output stays the target's:
-every draft is verified.
+``self_int8`` / ``self_int4``: a copy of the target whose Linear layers are int8 per output channel, or
+int4 in groups of 32 (with an int8 output head), on the same aten kernels as ``quantize="int8"`` /
+``"int4"``. It shares the target's embeddings and norms, costs a quarter (an eighth) of the Linear weights
+in extra memory, agrees with the target on most tokens, and runs each drafted token in a fraction of the
+target's time on memory-bound hardware. Output stays the target's: every draft is verified.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import warnings
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from hf_accel import Backend, Capabilities, PatchContext, hookimpl
+from hf_accel.quantize import linear_children, weight_and_bias
 from hf_accel.speculative import DraftLength, ModelDrafter, install_runner, object_request_problem
+from hf_accel_plugins.quantize_int4 import Int4WeightLinear
+from hf_accel_plugins.quantize_int4 import kernel_problem as int4_kernel_problem
+from hf_accel_plugins.quantize_int8 import Int8WeightLinear
+from hf_accel_plugins.quantize_int8 import kernel_problem as int8_kernel_problem
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +38,9 @@ def requested_draft_model(context: PatchContext) -> PreTrainedModel | None:
     return None
 
 
-def _vocab_size(model: PreTrainedModel) -> int:
-    return model.get_output_embeddings().weight.shape[0]
+def vocab_size(model: PreTrainedModel) -> int:
+    head = model.get_output_embeddings()  # possibly a quantized module without a .weight
+    return getattr(head, "out_features", None) or head.weight.shape[0]
 
 
 def draft_model_problem(context: PatchContext) -> str | None:
@@ -46,7 +51,7 @@ def draft_model_problem(context: PatchContext) -> str | None:
         return "the draft model is the target itself; pass a smaller model"
     if next(draft.parameters()).device != context.device:
         return f"the draft model is on {next(draft.parameters()).device}, the target on {context.device}"
-    target_vocab, draft_vocab = _vocab_size(context.model), _vocab_size(draft)
+    target_vocab, draft_vocab = vocab_size(context.model), vocab_size(draft)
     if abs(target_vocab - draft_vocab) > 128:
         return f"vocabularies differ ({draft_vocab} vs {target_vocab} tokens): the draft needs the same tokenizer"
     return None
@@ -54,13 +59,14 @@ def draft_model_problem(context: PatchContext) -> str | None:
 
 def install_draft_model(context: PatchContext) -> None:
     draft = requested_draft_model(context).eval()
-    vocab = _vocab_size(context.model)
+    vocab = vocab_size(context.model)
     install_runner(context, lambda model, config: ModelDrafter(draft, config, vocab), DraftLength(k=4, low=1, high=8))
     context.report.details["draft_model"] = type(draft).__name__
 
 
-def int8_copy(model: PreTrainedModel) -> nn.Module:
-    """A copy of ``model`` sharing its non-Linear tensors, with every Linear quantized to int8 per channel."""
+def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
+    """A copy of ``model`` sharing its non-Linear tensors (embeddings, norms), whose Linear layers are int8
+    per output channel (``bits=8``), or int4 in groups of 32 with an int8 output head (``bits=4``)."""
     with torch.device("meta"):
         draft = type(model)(copy.deepcopy(model.config))
     draft.load_state_dict(model.state_dict(), assign=True, strict=False)
@@ -70,25 +76,28 @@ def int8_copy(model: PreTrainedModel) -> nn.Module:
     draft.tie_weights()
     for name, param in draft.named_parameters():
         if param.is_meta:
-            raise RuntimeError(f"could not copy parameter {name} into the int8 draft")
-    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
-    with warnings.catch_warnings():  # the eager quantization API is deprecated, and still the fast CPU int8 path
-        warnings.simplefilter("ignore", category=DeprecationWarning)
-        warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")
-        return torch.ao.quantization.quantize_dynamic(draft.eval(), {nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)
+            raise RuntimeError(f"could not copy parameter {name} into the quantized draft")
+    head = draft.get_output_embeddings()
+    for parent, name, _, linear in list(linear_children(draft)):
+        in_features = weight_and_bias(linear)[0].shape[1]
+        four_bits = bits == 4 and linear is not head and in_features % 32 == 0
+        setattr(parent, name, Int4WeightLinear(linear, 32) if four_bits else Int8WeightLinear(linear))
+    return draft.eval()
 
 
-def install_self_int8(context: PatchContext) -> None:
-    draft = int8_copy(context.model)
-    vocab = _vocab_size(context.model)
+def install_self_draft(context: PatchContext, bits: int) -> None:
+    draft = quantized_copy(context.model, bits)
+    vocab = vocab_size(context.model)
     install_runner(context, lambda model, config: ModelDrafter(draft, config, vocab), DraftLength(k=4, low=1, high=8))
-    context.report.details["draft"] = "int8 per-channel copy of the target"
+    context.report.details["draft"] = SELF_DRAFTS[bits]
 
 
-def fbgemm_problem() -> str | None:
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return "this PyTorch build has no fbgemm quantized engine"
-    return None
+#: What each self-draft is, for the report.
+SELF_DRAFTS = {8: "int8 per-channel copy of the target", 4: "int4 (groups of 32) copy of the target, int8 head"}
+
+
+def kernel_problem(bits: int):
+    return lambda: int4_kernel_problem() if bits == 4 else int8_kernel_problem()
 
 
 @hookimpl
@@ -103,14 +112,15 @@ def hf_accel_register_backends(register):
         options={"draft_model": None},
         description="a smaller model with the same tokenizer drafts, the target verifies",
     ))
-    register(Backend(
-        name="self_int8",
-        feature="speculative",
-        apply=install_self_int8,
-        why_unavailable=fbgemm_problem,
-        why_unsuitable=object_request_problem,
-        capabilities=Capabilities(devices=("cpu",), dtypes=(torch.float32,)),
-        probe="generate",
-        priority=5,
-        description="an int8 copy of the target drafts, the fp32 target verifies",
-    ))
+    for bits in (8, 4):
+        register(Backend(
+            name=f"self_int{bits}",
+            feature="speculative",
+            apply=lambda context, bits=bits: install_self_draft(context, bits),
+            why_unavailable=kernel_problem(bits),
+            why_unsuitable=object_request_problem,
+            capabilities=Capabilities(devices=("cpu",), dtypes=(torch.float32, torch.bfloat16)),
+            probe="generate",
+            priority=5,
+            description=f"an {SELF_DRAFTS[bits]} drafts, the target verifies",
+        ))

@@ -148,7 +148,7 @@ def test_bench_step_splits_matmul_from_the_rest(tiny_model_dir, capsys):
     assert main(["bench-step", "--model", str(tiny_model_dir), "--context", "20", "--steps", "2",
                  "--quantize", "int8"]) == 0
     out = capsys.readouterr().out
-    for config in ("| stock |", "compile only", "without speculation", "quantize=int8"):
+    for config in ("| stock |", "kv_cache only (eager)", "kv_cache + compile", "without speculation", "quantize=int8"):
         assert config in out
     assert "matmul reads GB/s" in out and "memory read bandwidth" in out
 

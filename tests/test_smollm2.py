@@ -46,7 +46,8 @@ def test_patched_greedy_output_equals_stock_on_every_shipped_prompt(smollm2):
 def test_speculation_on_a_quantized_model_is_lossless_for_that_model(smollm2):
     model, tokenizer = smollm2
     inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()[2:]]
-    hf_accel.patch(model, quantize="int8", keep_original=True, speculative=None)
+    # the reference runs eagerly, as the loop does: a compiled graph rounds bf16 activations its own way
+    hf_accel.patch(model, quantize="int8", keep_original=True, speculative=None, compile=None)
     try:
         expected = [greedy(model, x, 48) for x in inputs]
     finally:
@@ -69,3 +70,36 @@ def test_the_example_script_runs():
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "hf_accel report" in result.stdout
+
+
+def test_compiled_decode_step_equals_stock_and_does_not_recompile(smollm2):
+    model, tokenizer = smollm2
+    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()]
+    expected = [greedy(model, x, 40 + 8 * i) for i, x in enumerate(inputs)]
+    hf_accel.patch(model, kv_cache="static", compile="inductor", speculative=None)
+    try:
+        longest = max(range(len(inputs)), key=lambda i: inputs[i]["input_ids"].shape[1] + 8 * i)
+        greedy(model, inputs[longest], 40 + 8 * longest)  # sizes the cache: later calls fit in it
+        details = hf_accel.report(model)["compile"].details
+        graphs = details["graphs_compiled"]
+        for i, (x, want) in enumerate(zip(inputs, expected)):  # other prompt lengths and max_new_tokens
+            assert torch.equal(greedy(model, x, 40 + 8 * i), want)
+        assert details["failure"] is None and details["graphs_compiled"] == graphs >= 1
+        assert details["check_error"] < 1e-4 and details["compile_seconds"] > 0
+    finally:
+        hf_accel.unpatch(model)
+
+
+def test_int4_with_embeddings_and_head_meets_its_memory_and_quality_targets(smollm2):
+    from hf_accel.quality import perplexity
+
+    model, tokenizer = smollm2
+    fp32 = perplexity(model, tokenizer)
+    hf_accel.patch(model, quantize="int4", include=["embed_tokens", "lm_head", r"layers\."], keep_original=True,
+                   speculative=None, compile=None)
+    try:
+        report = hf_accel.report(model).to_dict()["quantize"]
+        assert report["weight_bytes_after"] <= 0.20 * report["weight_bytes_before"]
+        assert perplexity(model, tokenizer) <= 1.10 * fp32
+    finally:
+        hf_accel.unpatch(model)

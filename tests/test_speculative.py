@@ -264,10 +264,30 @@ def test_draft_model_must_share_the_vocabulary(llama):
         hf_accel.patch(llama, speculative="draft_model", draft_model=other)
 
 
-def test_self_int8_drafter_is_token_identical(llama):
-    ids, mask = left_padded_batch(llama)
-    expected = greedy(llama, ids, mask, max_new_tokens=20)
-    hf_accel.patch(llama, speculative="self_int8")
-    assert torch.equal(greedy(llama, ids, mask, max_new_tokens=20), expected)
-    details = stats(llama)
-    assert details["accepted"] > 0 and "int8" in details["draft"]
+@pytest.mark.parametrize("backend, draft", [("self_int8", "int8"), ("self_int4", "int4"),
+                                            ("ngram_self_int4", "prompt lookup")])
+def test_self_drafters_are_token_identical(tiny_model, backend, draft):
+    ids, mask = left_padded_batch(tiny_model)
+    expected = greedy(tiny_model, ids, mask, max_new_tokens=30)
+    hf_accel.patch(tiny_model, speculative=backend)
+    assert torch.equal(greedy(tiny_model, ids, mask, max_new_tokens=30), expected)
+    details = stats(tiny_model)
+    assert details["accepted"] > 0 and draft in details["draft"]
+
+
+def test_lookup_then_model_feeds_the_model_what_the_lookup_drafted(monkeypatch):
+    from hf_accel_plugins import speculative_combined
+
+    # With the target itself as the "int4 copy", every model draft is accepted, unless its cache missed
+    # tokens the lookup drafted (or got them in the wrong places).
+    monkeypatch.setattr(speculative_combined, "quantized_copy", lambda model, bits: model)
+    model = make_tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [0, 0, 9, 10, 9, 10, 9, 10, 9, 10],
+                        [0, 0, 0, 0, 11, 12, 13, 11, 12, 13]])  # repeats, so the lookup has drafts at first
+    mask = (ids != 0).long()
+    expected = greedy(model, ids, mask, max_new_tokens=30)
+    hf_accel.patch(model, speculative="ngram_self_int4")
+    assert torch.equal(greedy(model, ids, mask, max_new_tokens=30), expected)
+    sources = stats(model)["sources"]
+    assert sources["lookup_steps"] > 0 and sources["model_steps"] > 0
+    assert sources["model_accepted"] == sources["model_drafted"] > 0
