@@ -92,6 +92,16 @@ def install_self_draft(context: PatchContext, bits: int) -> None:
     context.report.details["draft"] = SELF_DRAFTS[bits]
 
 
+def self_draft_problem(context: PatchContext) -> str | None:
+    """Why a quantized copy cannot be made of this target (or would not be cheaper), or None."""
+    problem = object_request_problem(context)
+    if problem:
+        return problem
+    if context.state.report["quantize"].backend is not None or getattr(context.model, "hf_quantizer", None):
+        return "the target's weights are quantized already, so a quantized copy would not draft any cheaper"
+    return None
+
+
 #: What each self-draft is, for the report.
 SELF_DRAFTS = {8: "int8 per-channel copy of the target", 4: "int4 (groups of 32) copy of the target, int8 head"}
 
@@ -118,7 +128,7 @@ def hf_accel_register_backends(register):
             feature="speculative",
             apply=lambda context, bits=bits: install_self_draft(context, bits),
             why_unavailable=kernel_problem(bits),
-            why_unsuitable=object_request_problem,
+            why_unsuitable=self_draft_problem,
             capabilities=Capabilities(devices=("cpu",), dtypes=(torch.float32, torch.bfloat16)),
             probe="generate",
             priority=5,

@@ -291,3 +291,10 @@ def test_lookup_then_model_feeds_the_model_what_the_lookup_drafted(monkeypatch):
     sources = stats(model)["sources"]
     assert sources["lookup_steps"] > 0 and sources["model_steps"] > 0
     assert sources["model_accepted"] == sources["model_drafted"] > 0
+
+
+def test_self_drafts_refuse_a_quantized_target_with_the_reason(llama):
+    with pytest.raises(hf_accel.BackendUnavailableError, match="quantized already"):
+        hf_accel.patch(llama, quantize="int8", speculative="self_int4")
+    hf_accel.patch(llama, quantize="int8")  # auto still finds a drafter
+    assert hf_accel.report(llama)["speculative"].backend == "ngram"
