@@ -38,8 +38,8 @@ class StepProfile:
 
 
 def matmul_weight_bytes(model: nn.Module) -> int:
-    """Bytes of every 2-D weight (or quantized ``qweight`` / ``packed_weight``) a step multiplies by: all leaf modules with one,
-    except embedding tables, which are indexed rather than read whole. Tied tensors count once."""
+    """Bytes of every 2-D weight (or quantized ``qweight`` / ``packed_weight``) a step multiplies by: all leaf
+    modules with one, except embedding tables, which are indexed rather than read whole. Tied tensors once."""
     seen, total = set(), 0
     for module in model.modules():
         if next(module.children(), None) is not None or isinstance(module, nn.Embedding):

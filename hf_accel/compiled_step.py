@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 from transformers import StaticCache
+from transformers.cache_utils import Cache
 from transformers.generation import CompileConfig
 
 logger = logging.getLogger(__name__)
 
-#: Cache lengths are rounded up to a multiple of this; each bucket is one compiled graph per batch size.
+#: Cache lengths are rounded up to a multiple of this, and a cache serves every later call that fits in it,
+#: so most calls meet shapes already compiled.
 BUCKET = 256
 #: Relative logit error above which a freshly compiled graph is refused: exact fp32 graphs measure ~1e-6.
 CHECK_TOLERANCE = 1e-3
@@ -82,7 +84,8 @@ class CompiledDecodeStep:
         # its first change instead of recompiling at every step.
         self.compiled = torch.compile(self.eager, backend=self.backend, dynamic=None, fullgraph=False)
         self.stats = CompileStats()
-        self.compile_config = CompileConfig(fullgraph=False, dynamic=False)
+        # Only turns on transformers' switch to get_compiled_call (which returns self); its settings are unused.
+        self.compile_config = CompileConfig()
         self.compile_config._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
         self._caches: dict[int, tuple[int, StaticCache]] = {}  # batch size -> (positions, cache)
         self._checked: set[tuple] = set()
@@ -146,7 +149,7 @@ class CompiledDecodeStep:
     def _first_call(self, signature: tuple, args: tuple, kwargs: dict[str, Any]) -> Any:
         """Compile for a new shape, then check the graph against the eager forward on the same step; the
         eager result is the one returned, so a wrong graph never reaches the output."""
-        cache = kwargs.get("past_key_values")
+        cache = _cache_in(kwargs)
         snapshot = _snapshot(cache)
         graphs, start = self.backend.graphs, time.perf_counter()
         try:
@@ -194,8 +197,13 @@ def _signature(kwargs: dict[str, Any]) -> tuple:
             shapes.append((name, tuple(value.shape)))
         elif isinstance(value, dict):  # per-layer-type masks
             shapes.append((name, tuple((k, tuple(v.shape)) for k, v in sorted(value.items()) if v is not None)))
-    cache = kwargs.get("past_key_values")
-    return tuple(shapes) + (id(cache),)
+    return tuple(shapes) + (id(_cache_in(kwargs)),)
+
+
+def _cache_in(kwargs: dict[str, Any]) -> Cache | None:
+    """The KV cache a forward call was given, whatever the argument is called (``past_key_values``, or
+    ``cache`` in later transformers)."""
+    return next((value for value in kwargs.values() if isinstance(value, Cache)), None)
 
 
 def _snapshot(cache: Any) -> list[dict[str, Any]] | None:

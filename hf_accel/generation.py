@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 
 
 #: generate arguments that are model inputs, not generation settings.
-_MODEL_INPUTS = frozenset({"inputs", "input_ids", "attention_mask", "past_key_values", "streamer", "logits_processor",
-                           "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "negative_prompt_ids",
-                           "negative_prompt_attention_mask", "use_model_defaults", "custom_generate"})
+_MODEL_INPUTS = frozenset({"inputs", "input_ids", "attention_mask", "past_key_values", "cache", "streamer",
+                           "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
+                           "negative_prompt_ids", "negative_prompt_attention_mask", "use_model_defaults",
+                           "custom_generate"})
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class GenerateCall:
     def _served_shape(self, kwargs: dict[str, Any]) -> _CallShape | None:
         """Batch size and total length of a call the patch's caches may serve: greedy or sampling, without
         a cache or cache implementation of its own; None for anything else (beam search, assisted, ...)."""
-        if kwargs.get("past_key_values") is not None or "cache_implementation" in kwargs:
+        if _brings_a_cache(kwargs):
             return None
         input_ids = self.args[0] if self.args else kwargs.get("input_ids", kwargs.get("inputs"))
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -73,12 +74,19 @@ class GenerateCall:
         """The patch's KV cache, emptied, if this call may use it; else None."""
         cache = self.state.kv_cache
         config = self.kwargs.get("generation_config")
-        if cache is None or self.kwargs.get("past_key_values") is not None or "cache_implementation" in self.kwargs:
+        if cache is None or _brings_a_cache(self.kwargs):
             return None
         if getattr(config or self.model.generation_config, "cache_implementation", None) is not None:
             return None
         cache.reset()
         return cache
+
+
+def _brings_a_cache(kwargs: dict[str, Any]) -> bool:
+    """Whether a call brings its own cache (``past_key_values``, or ``cache`` from transformers 5.24) or
+    cache implementation."""
+    return (kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
+            or "cache_implementation" in kwargs)
 
 
 def make_patched_generate(model: PreTrainedModel, original: Callable[..., Any]) -> Callable[..., Any]:

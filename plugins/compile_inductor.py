@@ -5,7 +5,7 @@ positions, reused while it fits, window-sized for sliding-window layers) and tra
 compiled forward for the decode steps, served by :class:`~hf_accel.compiled_step.CompiledDecodeStep`:
 inductor's C++ code on CPU, CUDA graphs (``mode="reduce-overhead"``) on CUDA. On CPU in fp32 the Linear
 layers are first moved onto prepacked oneDNN weights (as ``compile="onednn_prepack"``), which inductor calls
-as opaque kernels: on SmolLM2 on a 2-core CPU the matrix products are ~75% of a step, and compiling the rest
+as opaque kernels: on SmolLM2 on a 2-core CPU the matrix products are ~70% of a step, and compiling the rest
 alone gains ~4%. The prompt (prefill) and speculative verification stay eager.
 """
 
