@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import StaticCache
@@ -82,7 +83,7 @@ class CompiledDecodeStep:
         self.eager = model.__call__
         # dynamic=None: a number that changes between steps (a sliding layer's fill level) is made symbolic after
         # its first change instead of recompiling at every step.
-        self.compiled = torch.compile(self.eager, backend=self.backend, dynamic=None, fullgraph=False)
+        self.compiled = torch.compile(_calling(model), backend=self.backend, dynamic=None, fullgraph=False)
         self.stats = CompileStats()
         # Only turns on transformers' switch to get_compiled_call (which returns self); its settings are unused.
         self.compile_config = CompileConfig()
@@ -179,6 +180,18 @@ class CompiledDecodeStep:
         self.stats.failure = reason
         self._publish()
         logger.warning("hf_accel: the compiled decode step is off, running eager: %s", reason)
+
+
+def _calling(model: torch.nn.Module) -> Callable[..., Any]:
+    """``model(*args, **kwargs)`` as a function with a code object of its own. Dynamo keeps compiled graphs,
+    and its limit on recompiles, per code object; every model's ``__call__`` shares one, so without this a
+    second patched model would reuse (or exhaust) the first one's entries."""
+
+    def decode_step(*args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs)
+
+    code = decode_step.__code__.replace(co_name=f"decode_step_{id(model):x}")
+    return types.FunctionType(code, decode_step.__globals__, code.co_name, None, decode_step.__closure__)
 
 
 def _describe(exc: Exception) -> str:
