@@ -18,6 +18,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_atten
 
 from hf_accel import Backend, PatchContext, hookimpl
 from hf_accel.compiled_step import BF16_CHECK_TOLERANCE, CHECK_TOLERANCE, CompiledDecodeStep
+from hf_accel.kv_cache import PreallocatedLayer
 from hf_accel_plugins.compile_onednn import pack_linears
 
 
@@ -55,6 +56,10 @@ def why_unsuitable(context: PatchContext) -> str | None:
         return "encoder-decoder models are not covered by the compiled decode step"
     if not getattr(model, "_can_compile_fullgraph", False):
         return f"transformers does not mark {type(model).__name__} as compileable with a static cache"
+    cache = context.state.kv_cache
+    if cache is not None and any(type(layer).encode is not PreallocatedLayer.encode for layer in cache.layers):
+        return ("the KV cache stores keys and values in another form (e.g. kv_cache='static-int8'), which the "
+                "compiled step's fixed-shape cache would replace; use kv_cache='static' to compile the decode step")
     implementation = model.config._attn_implementation
     if ALL_MASK_ATTENTION_FUNCTIONS.get(implementation) is flash_attention_mask:
         return (f"attention {implementation!r} takes unpadded sequences (flash-style masks), which a fixed-shape "

@@ -49,7 +49,7 @@ def test_backend_greedy_generate_is_token_identical(tiny_model, backend, shape, 
     ids, mask = left_padded_batch(tiny_model, SHAPES[shape])
     expected = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
     try:
-        hf_accel.patch(tiny_model, attention=backend, speculative=None)
+        hf_accel.patch(tiny_model, attention=backend, speculative=None, compile=None)  # compiled: test_compiled_step
     except hf_accel.BackendUnavailableError:
         pytest.skip("backend cannot serve this architecture")
     assert hf_accel.report(tiny_model)["attention"].backend == backend

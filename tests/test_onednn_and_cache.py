@@ -89,12 +89,13 @@ def test_preallocated_cache_is_reused_after_reset(llama):
 def test_static_kv_cache_is_token_identical_and_reused(tiny_model, speculative):
     ids, mask = left_padded_batch(tiny_model)
     short, short_mask = left_padded_batch(tiny_model, (4, 2, 3), seed=5)
+    calls = [(ids, mask, 30), (short, short_mask, 7), (ids[:1], mask[:1], 25)]  # batch 3 past the window, batch 1
     expected = [tiny_model.generate(input_ids=i, attention_mask=m, max_new_tokens=n, do_sample=False)
-                for i, m, n in [(ids, mask, 30), (short, short_mask, 7)]]
+                for i, m, n in calls]
     hf_accel.patch(tiny_model, kv_cache="static", compile=None, speculative=speculative, cache_capacity=64)
     cache = tiny_model._hf_accel_state.kv_cache
     got = [tiny_model.generate(input_ids=i, attention_mask=m, max_new_tokens=n, do_sample=False)
-           for i, m, n in [(ids, mask, 30), (short, short_mask, 7)]]
+           for i, m, n in calls]
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert tiny_model._hf_accel_state.kv_cache is cache and cache.capacity == 256  # 64 rounded up, never grown
 
@@ -128,6 +129,8 @@ def test_static_int8_cache_stores_a_third_of_the_bytes_and_reports_its_cost(tiny
     assert 0 <= details["greedy_agreement_16_tokens"] <= 1
     out = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert out.shape == (3, ids.shape[1] + 8)
+    compile_report = hf_accel.report(tiny_model)["compile"]  # the compiled step would bypass the int8 cache
+    assert compile_report.backend != "inductor" and "static-int8" in str(compile_report.skipped)
 
 
 def test_auto_never_picks_the_lossy_cache(llama):

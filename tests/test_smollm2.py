@@ -72,6 +72,18 @@ def test_the_example_script_runs():
     assert "hf_accel report" in result.stdout
 
 
+def test_eager_static_cache_equals_stock(smollm2):
+    model, tokenizer = smollm2
+    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()[::3]]
+    expected = [greedy(model, x, 32) for x in inputs]
+    hf_accel.patch(model, kv_cache="static", compile=None, speculative=None)
+    try:
+        for x, want in zip(inputs, expected):
+            assert torch.equal(greedy(model, x, 32), want)
+    finally:
+        hf_accel.unpatch(model)
+
+
 def test_compiled_decode_step_equals_stock_and_does_not_recompile(smollm2):
     model, tokenizer = smollm2
     inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()]
