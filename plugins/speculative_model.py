@@ -97,7 +97,9 @@ def self_draft_problem(context: PatchContext) -> str | None:
     problem = object_request_problem(context)
     if problem:
         return problem
-    if context.state.report["quantize"].backend is not None or getattr(context.model, "hf_quantizer", None):
+    # Not hf_quantizer: a GGUF checkpoint loads through one, dequantized to floating point.
+    quantized_weights = any(not p.is_floating_point() for p in context.model.parameters())
+    if context.state.report["quantize"].backend is not None or quantized_weights:
         return "the target's weights are quantized already, so a quantized copy would not draft any cheaper"
     return None
 
