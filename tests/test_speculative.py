@@ -298,3 +298,11 @@ def test_self_drafts_refuse_a_quantized_target_with_the_reason(llama):
         hf_accel.patch(llama, quantize="int8", speculative="self_int4")
     hf_accel.patch(llama, quantize="int8")  # auto still finds a drafter
     assert hf_accel.report(llama)["speculative"].backend == "ngram"
+
+
+def test_a_checkpoint_loaded_through_a_quantizer_into_floats_can_self_draft(llama):
+    from types import SimpleNamespace
+
+    llama.hf_quantizer = SimpleNamespace(is_compileable=True)  # as a GGUF checkpoint has, dequantized at load
+    hf_accel.patch(llama, speculative="self_int4")
+    assert hf_accel.report(llama)["speculative"].backend == "self_int4"
