@@ -63,6 +63,11 @@ def memory_read_gb_s(gib: int = 1) -> float:
     return 3 * gib * 2**30 / 1e9 / (time.perf_counter() - start)
 
 
+def matmul_ms(prof: torch.profiler.profile) -> float:
+    """Milliseconds the profiled run spent in weight-product kernels (their self time)."""
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_KERNELS) / 1000
+
+
 def profile_step(model: nn.Module, config: str, context: int = 300, chunk: int = 1, steps: int = 8) -> StepProfile:
     """Median wall time of a ``chunk``-token step after a ``context``-token prompt, and its matmul time."""
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -85,8 +90,7 @@ def profile_step(model: nn.Module, config: str, context: int = 300, chunk: int =
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 step()
-    matmul_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_KERNELS)
-    return StepProfile(config, 1000 * sorted(times)[len(times) // 2], matmul_us / 1000 / steps,
+    return StepProfile(config, 1000 * sorted(times)[len(times) // 2], matmul_ms(prof) / steps,
                        matmul_weight_bytes(model) / 2**20)
 
 
@@ -108,7 +112,7 @@ def profile_generate_step(model: nn.Module, config: str, context: int = 300, ste
         seconds[n] = time.perf_counter() - start
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             run(n)
-        matmul[n] = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_KERNELS) / 1000
+        matmul[n] = matmul_ms(prof)
     return StepProfile(config, 1000 * (seconds[steps + 1] - seconds[1]) / steps,
                        (matmul[steps + 1] - matmul[1]) / steps, matmul_weight_bytes(model) / 2**20)
 

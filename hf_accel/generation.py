@@ -45,11 +45,10 @@ class GenerateCall:
         patch's compiled decode step or KV cache where the call is one they serve."""
         kwargs = {**self.kwargs, **overrides}
         shape = self._served_shape(kwargs)
-        step, cache = self.state.compiled_step, self.state.kv_cache
+        step = self.state.compiled_step
         if shape is not None and step is not None and not shape.disable_compile:
             kwargs.update(step.generate_kwargs(shape.batch_size, shape.length))
-        elif shape is not None and cache is not None:
-            cache.reset()
+        elif shape is not None and (cache := self.reusable_cache()) is not None:
             kwargs["past_key_values"] = cache
         return self.state.original_generate(*self.args, **kwargs)
 
