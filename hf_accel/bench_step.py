@@ -27,6 +27,11 @@ class StepProfile:
     step_ms: float
     matmul_ms: float
     weight_mb: float
+    compile_s: float | None = None  # the patch's compiled step: seconds spent compiling, if it has one
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000 / self.step_ms if self.step_ms > 0 else float("inf")
 
     @property
     def other_ms(self) -> float:
@@ -118,9 +123,13 @@ def profile_generate_step(model: nn.Module, config: str, context: int = 300, ste
 
 
 def format_step_table(rows: list[StepProfile], bandwidth: float) -> str:
-    lines = ["| config | step ms | matmul ms | everything else ms | weights MB | matmul reads GB/s | vs memory |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    """One row per configuration; "vs stock" divides by the first row's step time."""
+    lines = ["| config | step ms | decode tok/s | vs stock | compile s | matmul ms | everything else ms | weights MB "
+             "| matmul reads GB/s | vs memory |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r.config} | {r.step_ms:.1f} | {r.matmul_ms:.1f} | {r.other_ms:.1f} | {r.weight_mb:.0f} | "
+        compile_s = "-" if r.compile_s is None else f"{r.compile_s:.1f}"
+        lines.append(f"| {r.config} | {r.step_ms:.1f} | {r.tokens_per_s:.1f} | {rows[0].step_ms / r.step_ms:.2f}x | "
+                     f"{compile_s} | {r.matmul_ms:.1f} | {r.other_ms:.1f} | {r.weight_mb:.0f} | "
                      f"{r.matmul_gb_s:.1f} | {r.matmul_gb_s / bandwidth:.0%} |")
     return "\n".join(lines) + f"\n\nmemory read bandwidth (x.sum() over 1 GiB): {bandwidth:.1f} GB/s"

@@ -233,7 +233,9 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     for name, kwargs in configs:
         patch(model, **kwargs)
         try:
-            rows.append(measure(name))
+            row = measure(name)
+            row.compile_s = report(model)["compile"].details.get("compile_seconds")
+            rows.append(row)
         finally:
             unpatch(model)
     print(format_step_table(rows, memory_read_gb_s()))

@@ -151,6 +151,7 @@ def test_bench_step_splits_matmul_from_the_rest(tiny_model_dir, capsys):
     for config in ("| stock |", "kv_cache only (eager)", "kv_cache + compile", "without speculation", "quantize=int8"):
         assert config in out
     assert "matmul reads GB/s" in out and "memory read bandwidth" in out
+    assert "decode tok/s" in out and "compile s" in out and "1.00x" in out
 
 
 def test_bench_labels_a_configuration_whose_feature_was_not_applied():
