@@ -6,6 +6,8 @@ proposes them, and each row of the batch keeps only the tokens it accepted.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from .kv_cache import PreallocatedCache
@@ -26,13 +28,18 @@ class CachedLM:
         lm.keep(torch.tensor([m, 1]))                      # row 0 keeps all m, row 1 keeps one
     """
 
-    def __init__(self, model: torch.nn.Module, cache: PreallocatedCache | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, cache: Any = None,
+                 forward: Callable[..., Any] | None = None) -> None:
         self.model = model
         # Full-length layers even for sliding-window models: the window is applied by the attention mask,
         # so rows can be realigned without losing tokens that a trimmed window layer would have dropped.
         self.cache = cache if cache is not None else PreallocatedCache(model.config)
         self.cache.reset()
+        #: Runs the chunks after the prompt: the model, or a compiled forward over a fixed-length cache.
+        self.step = forward if forward is not None else model
+        self._fixed_length: int | None = getattr(self.cache, "max_cache_len", None)
         self.mask: torch.Tensor | None = None
+        self.realignments = 0  # how often rows were moved (every filled slot may have changed)
         self._supports_logits_to_keep = model._supports_logits_to_keep()
 
     @property
@@ -44,7 +51,7 @@ class CachedLM:
         self.mask = attention_mask.long()
         self._appended = 0
         positions = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
-        return self._forward(input_ids, positions, keep=1)[:, -1]
+        return self._forward(input_ids, positions, keep=1, step=self.model)[:, -1]
 
     def extend(self, ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Append ``ids`` (``[batch, m]``) to every row; fp32 logits at each of them, ``[batch, m, vocab]``.
@@ -72,11 +79,36 @@ class CachedLM:
             self._realign(shift)
         self._appended = 0
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
-        kwargs = {"logits_to_keep": keep} if self._supports_logits_to_keep else {}
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True, **kwargs)
+    def mirror(self, source: CachedLM, start: int = 0) -> None:
+        """Hold exactly what ``source`` holds (a model of the same shape: a quantized copy), copying its keys
+        and values from slot ``start`` on; the slots before must already be the same."""
+        end = source.mask.shape[1]
+        for mine, theirs in zip(self.cache.layers, source.cache.layers):
+            mine.mirror(theirs, start, end)
+        self.mask = source.mask.clone()
+        self._appended = 0
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int,
+                 step: Callable[..., Any] | None = None) -> torch.Tensor:
+        step = step or self.step
+        if step is not self.model and ids.shape[1] > 1:
+            # One compiled graph for every chunk width, rather than one per width before dynamo generalizes.
+            torch._dynamo.maybe_mark_dynamic(ids, 1)
+            torch._dynamo.maybe_mark_dynamic(positions, 1)
+        # logits_to_keep=0 means all: a constant, where the chunk's own width would be one more number to specialize on.
+        kwargs = {"logits_to_keep": 0 if keep == ids.shape[1] else keep} if self._supports_logits_to_keep else {}
+        out = step(input_ids=ids, attention_mask=self._full_mask(), position_ids=positions,
+                                  past_key_values=self.cache, use_cache=True, **kwargs)
         return out.logits[:, -keep:].float()
+
+    def _full_mask(self) -> torch.Tensor:
+        """The mask over every slot the cache attends to: a fixed-length cache's slots past the filled ones
+        (free, or holding rolled-back tokens) are masked."""
+        if self._fixed_length is None:
+            return self.mask
+        if self.mask.shape[1] > self._fixed_length:
+            raise RuntimeError(f"the static cache holds {self._fixed_length} positions and this call needs more")
+        return torch.nn.functional.pad(self.mask, (0, self._fixed_length - self.mask.shape[1]))
 
     def _realign(self, shift: torch.Tensor) -> None:
         """Move each row's slots right by ``shift[row]``, turning its dropped tail into left padding."""
@@ -84,5 +116,6 @@ class CachedLM:
         source = (torch.arange(length, device=shift.device) - shift[:, None]) % length  # [batch, length]
         for layer in self.cache.layers:
             layer.gather_positions(source)
+        self.realignments += 1
         self.mask = self.mask.gather(1, source)
         self.mask[torch.arange(length, device=shift.device)[None, :] < shift[:, None]] = 0

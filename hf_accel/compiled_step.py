@@ -1,4 +1,5 @@
-"""A compiled single-token decode step over a fixed-shape KV cache, for stock ``generate``.
+"""A compiled forward over a fixed-shape KV cache: stock ``generate``'s decode step, and the chunks the
+speculative loop verifies and drafts.
 
 ``generate`` runs the prompt eagerly, then calls ``model.get_compiled_call(...)`` for every decode step when
 the cache is a compileable one. :class:`CompiledDecodeStep` is what that call returns on a patched model: a
@@ -28,6 +29,8 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import Cache
 from transformers.generation import CompileConfig
+
+from .kv_cache import RollbackStaticCache
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ class CompiledDecodeStep:
         # Only turns on transformers' switch to get_compiled_call (which returns self); its settings are unused.
         self.compile_config = CompileConfig()
         self.compile_config._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
-        self._caches: dict[int, tuple[int, StaticCache]] = {}  # batch size -> (positions, cache)
+        self._caches: dict[tuple[int, bool], tuple[int, Cache]] = {}  # (batch size, rollback) -> (positions, cache)
         self._checked: set[tuple] = set()
         self._publish()
 
@@ -102,17 +105,27 @@ class CompiledDecodeStep:
         """``past_key_values`` and ``compile_config`` for a ``generate`` call of this batch size and length."""
         return {"past_key_values": self.cache_for(batch_size, needed_length), "compile_config": self.compile_config}
 
-    def cache_for(self, batch_size: int, needed_length: int) -> StaticCache:
-        """The cache for this batch size, emptied; reallocated (one bucket larger) only when it is too short."""
-        length, cache = self._caches.get(batch_size, (0, None))
+    def cache_for(self, batch_size: int, needed_length: int, rollback: bool = False) -> Cache:
+        """The cache for this batch size, emptied; reallocated (one bucket larger) only when it is too short.
+        ``rollback=True``: a :class:`~hf_accel.kv_cache.RollbackStaticCache` (full-length layers that can be
+        cropped and realigned), for the speculative loop."""
+        length, cache = self._caches.get((batch_size, rollback), (0, None))
         if cache is None or length < needed_length:
             length = -(-needed_length // self.bucket) * self.bucket
-            cache = StaticCache(self.model.config, max_cache_len=length)
-            self._caches[batch_size] = (length, cache)
-            logger.debug("static cache for batch %d: %d positions", batch_size, length)
+            kind = RollbackStaticCache if rollback else StaticCache
+            cache = kind(self.model.config, max_cache_len=length)
+            self._caches[batch_size, rollback] = (length, cache)
+            logger.debug("%s for batch %d: %d positions", kind.__name__, batch_size, length)
         else:
             cache.reset()
         return cache
+
+    def for_model(self, model: torch.nn.Module, details: dict[str, Any] | None = None,
+                  tolerance: float | None = None) -> CompiledDecodeStep:
+        """A compiled forward with this one's settings for ``model`` (the same one, or a draft model), with
+        graphs, caches and statistics of its own."""
+        return CompiledDecodeStep(model, mode=self.backend.mode, bucket=self.bucket, details=details,
+                                  tolerance=self.tolerance if tolerance is None else tolerance)
 
     def get_compiled_call(self, compile_config: Any = None) -> CompiledDecodeStep:  # noqa: ARG002
         """Stands in for ``PreTrainedModel.get_compiled_call`` on the patched instance."""

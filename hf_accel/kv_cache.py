@@ -1,9 +1,10 @@
-"""A KV cache allocated once and written in place, with O(1) crop for speculative rollback."""
+"""KV caches allocated once and written in place, with O(1) crop for speculative rollback: one that
+exposes only its filled part (eager forwards), and a fixed-length one for compiled forwards."""
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
 
 _GROWTH_STEP = 256
 
@@ -48,12 +49,23 @@ class PreallocatedLayer(DynamicLayer):
         self._stores, self.capacity = stores, capacity
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self._write(key_states, value_states)
+        return self.keys, self.values
+
+    def mirror(self, source: CacheLayerMixin, start: int, end: int) -> None:
+        """Hold what ``source`` holds in its first ``end`` slots, copying only slots ``start`` onwards."""
+        self._write(source.keys[:, :, start:end], source.values[:, :, start:end], start)
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int | None = None) -> None:
+        """Store the states at slots ``start`` onwards (default: after the filled ones); the layer then holds
+        every slot up to the last one written, and none after."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self._stores["keys"][0].shape[0]:  # a call with another batch size: start over
             self._stores, self.length = None, 0
             self._allocate(key_states, value_states, max(key_states.shape[-2], self.capacity))
-        start, end = self.length, self.length + key_states.shape[-2]
+        start = self.length if start is None else start
+        end = start + key_states.shape[-2]
         if end > self.capacity:
             self._allocate(key_states, value_states, max(end, 2 * self.capacity))
         for kind, states in (("keys", key_states), ("values", value_states)):
@@ -61,7 +73,6 @@ class PreallocatedLayer(DynamicLayer):
                 buffer[:, :, start:end] = part
         self.length = end
         self._expose()
-        return self.keys, self.values
 
     def _expose(self) -> None:
         self.keys = self.decode([b[:, :, : self.length] for b in self._stores["keys"]])
@@ -134,3 +145,53 @@ class PreallocatedCache(Cache):
 
     def bytes_per_token(self) -> int:
         return sum(layer.stored_bytes_per_token() for layer in self.layers)
+
+
+class RollbackStaticLayer(StaticLayer):
+    """transformers' compileable ``StaticLayer`` (fixed-size buffers written at a tensor index), which can also
+    move its index back and permute positions per row, both in place, for speculative rollback."""
+
+    is_croppable = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        self.cumulative_length.add_(tokens_to_remove).clamp_(min=0)
+
+    def mirror(self, source: CacheLayerMixin, start: int, end: int) -> None:
+        """Hold what ``source`` holds in its first ``end`` slots, copying only slots ``start`` onwards."""
+        if not self.is_initialized:
+            self.lazy_initialization(source.keys, source.values)
+        self.keys[:, :, start:end].copy_(source.keys[:, :, start:end])
+        self.values[:, :, start:end].copy_(source.values[:, :, start:end])
+        self.cumulative_length.fill_(end)
+
+    def gather_positions(self, source: torch.Tensor) -> None:
+        """Row b's slot t takes what was at slot ``source[b, t]`` for the filled slots (see ``CachedLM``)."""
+        if not self.is_initialized:
+            return
+        length = source.shape[1]
+        for buffer in (self.keys, self.values):
+            filled = buffer[:, :, :length]
+            filled.copy_(filled.gather(2, source[:, None, :, None].expand(*filled.shape)))
+
+
+class RollbackStaticCache(Cache):
+    """A fixed-length cache of :class:`RollbackStaticLayer` (every layer full length, sliding-window ones
+    too, so rows can be realigned; the window is applied by the mask): the speculative loop's cache when
+    its forward passes are compiled. The attention mask given with it spans all ``max_cache_len`` slots.
+
+    Example::
+
+        cache = RollbackStaticCache(model.config, max_cache_len=512)
+        lm = CachedLM(model, cache)
+    """
+
+    def __init__(self, config, max_cache_len: int) -> None:
+        layers = config.get_text_config(decoder=True).num_hidden_layers
+        super().__init__(layers=[RollbackStaticLayer(max_cache_len) for _ in range(layers)])
+        self.max_cache_len = max_cache_len
+
+    def reset(self) -> None:
+        for layer in self.layers:  # no need to zero the buffers: slots past the index are masked
+            layer.cumulative_length.zero_()

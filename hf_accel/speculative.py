@@ -19,6 +19,7 @@ from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, T
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cached_lm import CachedLM
+from .compiled_step import CHECK_TOLERANCE
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +28,11 @@ SUPPORTED_SETTINGS = frozenset({
     "max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "use_cache",
     "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "return_dict_in_generate",
     "output_scores", "output_logits", "transformers_version", "_from_model_config",
-    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold", "disable_compile",
 })
 _MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "logits_to_keep"})
+#: How far a draft model's compiled graph may move its logits (relative) before it is refused.
+DRAFT_CHECK_TOLERANCE = 5e-2
 
 
 @dataclass
@@ -69,6 +72,16 @@ class DrafterFactory(Protocol):
     def __call__(self, model: torch.nn.Module, config: GenerationConfig) -> Drafter: ...
 
 
+class LMFactory(Protocol):
+    def __call__(self, model: torch.nn.Module, role: str = "target") -> CachedLM:
+        """``model`` with a cache of its own for this call; ``role``: ``"target"`` or ``"draft"``."""
+
+
+def eager_lm(model: torch.nn.Module, role: str = "target") -> CachedLM:  # noqa: ARG001
+    """The plain :class:`LMFactory`: eager forwards, a new growing cache each."""
+    return CachedLM(model)
+
+
 @dataclass
 class SpeculativeStats:
     """Counts over every generate call of one patched model (``report(model)["speculative"].details``).
@@ -105,11 +118,13 @@ class SpeculativeStats:
 
 @dataclass
 class DraftLength:
-    """Adapts ``k``: grow by 2 after a fully accepted draft, shrink by 1 after a rejection."""
+    """Adapts ``k``: grow by 2 after a fully accepted draft, shrink by 1 after a rejection. ``extra``: how
+    many tokens a drafter may propose beyond ``k`` (a lookup extending a model's draft)."""
 
     k: int = 4
     low: int = 1
     high: int = 16
+    extra: int = 0
 
     def update(self, draft: Draft, kept: torch.Tensor, active: torch.Tensor) -> None:
         proposed = active & (draft.lengths > 0)
@@ -139,8 +154,10 @@ class SpeculativeLoop:
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter, config: GenerationConfig,
                  processors: LogitsProcessorList, stopping: StoppingCriteriaList | None, streamer: Any,
-                 max_new_tokens: int, draft_length: DraftLength, cache: Any = None) -> None:
-        self.target = CachedLM(model, cache)
+                 max_new_tokens: int, draft_length: DraftLength, make_lm: LMFactory | None = None) -> None:
+        #: Makes the :class:`CachedLM` a model of this call runs in (the target here, a draft model in a drafter).
+        self.make_lm = make_lm or eager_lm
+        self.target = self.make_lm(model, "target")
         self.drafter = drafter
         self.config = config
         self.processors = processors
@@ -323,25 +340,30 @@ class ModelDrafter:
     quantized copy of the target. Greedy when the call is greedy; otherwise it samples from its own
     distribution under the call's temperature/top-k/top-p and reports it, for exact acceptance.
 
-    Its cache always holds every row's tokens but the newest; after a step, rejected drafts are cropped.
+    ``held[b]`` counts the tokens of ``loop.rows[b]`` its cache holds. Each proposal first feeds every row
+    what it has not seen (the target's newest token; after a fully accepted draft also the last drafted one;
+    after steps drafted by someone else, all of theirs) in one forward, then drafts token by token. The last
+    drafted token is never fed: only the next step knows whether it was kept.
     """
 
-    def __init__(self, model: torch.nn.Module, config: GenerationConfig, vocab_size: int,
-                 cache: Any = None) -> None:
-        self.lm = CachedLM(model, cache)
+    def __init__(self, model: torch.nn.Module, config: GenerationConfig, vocab_size: int) -> None:
+        self.model = model
         self.sample = bool(config.do_sample)
         self.warpers = sampling_processors(config)
         self.vocab_size = vocab_size
+        self.held: list[int] = []
 
     def start(self, loop: SpeculativeLoop) -> None:
-        prompt_and_first = torch.stack(loop.rows)
-        self.lm.prefill(prompt_and_first[:, :-1], loop.prompt_mask)
+        self.lm = loop.make_lm(self.model, "draft")
+        prompt = torch.stack(loop.rows)[:, :-1]
+        self.lm.prefill(prompt, loop.prompt_mask)
+        self.held = [prompt.shape[1]] * len(loop.rows)
 
     def propose(self, loop: SpeculativeLoop, k: int) -> Draft:
-        token = torch.stack([row[-1] for row in loop.rows])
+        logits = self._catch_up(loop)
         tokens, probs = [], []
-        for _ in range(k):
-            scores = self._scores(self.lm.extend(token[:, None])[:, -1])
+        for i in range(k):
+            scores = self._scores(logits)
             if self.sample:
                 q = scores.softmax(-1)
                 token = torch.multinomial(q, 1)[:, 0]
@@ -349,16 +371,31 @@ class ModelDrafter:
             else:
                 token = scores.argmax(-1)
             tokens.append(token)
+            if i < k - 1:
+                logits = self.lm.extend(token[:, None])[:, -1]
         stacked = torch.stack(tokens, dim=1)
         return Draft(stacked, torch.full_like(stacked[:, 0], k), torch.stack(probs, 1) if probs else None)
 
     def accepted(self, loop: SpeculativeLoop, draft: Draft, kept: torch.Tensor) -> None:
-        k = draft.width
-        self.lm.keep(1 + kept.clamp_max(k - 1))  # its cache saw the previous newest token and drafts 1..k-1
-        full = kept >= k
-        if bool(full.any()):  # rows that took every draft also need the last one in the cache
-            self.lm.extend(draft.tokens[:, -1:])
-            self.lm.keep(full.long())
+        fed = kept.clamp_max(draft.width - 1)  # its cache holds drafts 1..k-1 (after the catch-up)
+        self.lm.keep(fed)
+        # A row that ended takes no more tokens, whatever its cache kept.
+        self.held = [min(held + int(n), row.numel()) for held, n, row in zip(self.held, fed, loop.rows)]
+
+    def _catch_up(self, loop: SpeculativeLoop) -> torch.Tensor:
+        """Feed each row the tokens it has not seen, right-aligned in one chunk (rows with fewer get masked
+        slots first); the logits after each row's newest token, ``[batch, vocab]``."""
+        missing = [row.numel() - held for row, held in zip(loop.rows, self.held)]
+        width = max(missing)
+        ids = loop.rows[0].new_zeros(len(missing), width)
+        valid = torch.zeros_like(ids)
+        for b, (row, held, n) in enumerate(zip(loop.rows, self.held, missing)):
+            ids[b, width - n:] = row[held:]
+            valid[b, width - n:] = 1
+        logits = self.lm.extend(ids, None if min(missing) == width else valid)[:, -1]
+        self.lm.keep(torch.full((len(missing),), width, device=ids.device))
+        self.held = [row.numel() for row in loop.rows]
+        return logits
 
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] != self.vocab_size:  # a draft vocabulary padded differently from the target's
@@ -366,6 +403,29 @@ class ModelDrafter:
             if logits.shape[-1] < self.vocab_size:
                 logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=-float("inf"))
         return self.warpers(None, logits) if self.warpers else logits
+
+
+class SelfDrafter(ModelDrafter):
+    """A :class:`ModelDrafter` for a cheaper copy of the target itself (same layers and shapes, e.g. with
+    quantized weights). It never runs its own model over the prompt or the accepted tokens: it copies the
+    target's keys and values for them (exact ones, which also help it draft), and feeds only each row's
+    newest token before drafting."""
+
+    def start(self, loop: SpeculativeLoop) -> None:
+        self.lm = loop.make_lm(self.model, "draft")
+        self.lm.mirror(loop.target)
+        self._synced, self._realignments = self.lm.mask.shape[1], loop.target.realignments
+
+    def _catch_up(self, loop: SpeculativeLoop) -> torch.Tensor:
+        target = loop.target
+        start = self._synced if target.realignments == self._realignments else 0
+        self.lm.mirror(target, min(start, target.mask.shape[1]))
+        self._synced, self._realignments = target.mask.shape[1], target.realignments
+        newest = torch.stack([row[-1] for row in loop.rows])[:, None]
+        return self.lm.extend(newest)[:, -1]
+
+    def accepted(self, loop: SpeculativeLoop, draft: Draft, kept: torch.Tensor) -> None:
+        pass  # the next proposal copies what the target kept
 
 
 # -- the runner a speculative backend installs ------------------------------------------------------------
@@ -436,7 +496,13 @@ def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> 
 
 
 class SpeculativeRunner:
-    """Installed as ``state.runner`` by a speculative backend; runs each generate call it can cover."""
+    """Installed as ``state.runner`` by a speculative backend; runs each generate call it can cover.
+
+    Where the patch has a compiled decode step (``compile=``), the loop's forward passes after the prompt
+    (the target's verification chunks and a draft model's steps) run compiled over fixed-length
+    :class:`~hf_accel.kv_cache.RollbackStaticCache` caches, one compiled forward per model; otherwise eagerly
+    over the patch's KV cache.
+    """
 
     def __init__(self, make_drafter: DrafterFactory, details: dict[str, Any], draft_length: DraftLength) -> None:
         self.make_drafter = make_drafter
@@ -444,6 +510,7 @@ class SpeculativeRunner:
         self.draft_length = draft_length
         self.stats = SpeculativeStats()
         self._logged: set[str] = set()
+        self._compiled: dict[tuple[str, int], Any] = {}  # (role, id(model)) -> its compiled forward
 
     def __repr__(self) -> str:
         return f"<SpeculativeRunner k={self.draft_length.k} {self.stats.as_details()}>"
@@ -455,12 +522,33 @@ class SpeculativeRunner:
             return self._fallback(call, plan)
         drafter = self.make_drafter(call.model, plan.config)
         loop = SpeculativeLoop(call.model, drafter, plan.config, plan.processors, plan.stopping, plan.streamer,
-                               plan.max_new_tokens, self.draft_length, cache=call.reusable_cache())
+                               plan.max_new_tokens, self.draft_length,
+                               make_lm=lambda model, role="target": self._cached_lm(call, plan, model, role))
         with torch.no_grad():
             loop.run(plan.input_ids, plan.attention_mask)
         self.stats.add(loop.stats)
         self.details.update(self.stats.as_details(), draft_length=self.draft_length.k)
         return to_output(loop, plan.config)
+
+    def _cached_lm(self, call: Any, plan: CallPlan, model: torch.nn.Module, role: str) -> CachedLM:
+        """``model`` (the target, or a draft) with its cache for this call."""
+        base = call.state.compiled_step
+        # The target compiles only where its graphs reproduce eager to fp32 rounding: with bf16 activations
+        # (quantized or bf16 weights) fused casts round differently, and greedy output could drift from the
+        # model's own. Drafts may; their tokens are all verified.
+        inexact = base is not None and base.tolerance > CHECK_TOLERANCE and role == "target"
+        if base is None or plan.config.disable_compile or inexact:
+            return CachedLM(model, call.reusable_cache() if role == "target" else None)
+        step = self._compiled.get((role, id(model)))
+        if step is None:
+            # A draft's graph only has to draft well: a loose check is enough (its tokens are all verified).
+            step = base.for_model(model, details=self.details.setdefault("compiled", {}).setdefault(role, {}),
+                                  tolerance=None if role == "target" else DRAFT_CHECK_TOLERANCE)
+            self._compiled[role, id(model)] = step
+        batch, prompt = plan.input_ids.shape
+        # Room for every token, plus a full draft verified past the budget's end.
+        length = prompt + plan.max_new_tokens + self.draft_length.high + self.draft_length.extra + 2
+        return CachedLM(model, step.cache_for(batch, length, rollback=True), forward=step)
 
     def _fallback(self, call: Any, reason: str) -> Any:
         self.stats.fallbacks += 1

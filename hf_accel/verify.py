@@ -67,6 +67,9 @@ def greedy_tokens(generate: Callable[..., torch.Tensor], probe: ProbeInputs) -> 
             max_new_tokens=_PROBE_NEW_TOKENS,
             do_sample=False,
             pad_token_id=probe.pad_token_id,
+            # Eager: a compiled forward checks each new graph against eager on first use, and compiling for
+            # the probe's shapes would cost a compile (minutes on a small CPU) that no later call reuses.
+            disable_compile=True,
         )
 
 

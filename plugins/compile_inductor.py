@@ -6,7 +6,9 @@ compiled forward for the decode steps, served by :class:`~hf_accel.compiled_step
 inductor's C++ code on CPU, CUDA graphs (``mode="reduce-overhead"``) on CUDA. On CPU in fp32 the Linear
 layers are first moved onto prepacked oneDNN weights (as ``compile="onednn_prepack"``), which inductor calls
 as opaque kernels: on SmolLM2 on a 2-core CPU the matrix products are ~70% of a step, and compiling the rest
-alone gains ~4%. The prompt (prefill) and speculative verification stay eager.
+alone gains ~4%. The speculative loop (``speculative=``) compiles its own forwards with the same settings:
+the target's verification chunks and a draft model's steps, over fixed-length caches it can roll back.
+The prompt (prefill) stays eager.
 """
 
 from __future__ import annotations

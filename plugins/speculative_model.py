@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from hf_accel import Backend, Capabilities, PatchContext, hookimpl
 from hf_accel.quantize import linear_children, weight_and_bias
-from hf_accel.speculative import DraftLength, ModelDrafter, install_runner, object_request_problem
+from hf_accel.speculative import DraftLength, ModelDrafter, SelfDrafter, install_runner, object_request_problem
 from hf_accel_plugins.quantize_int4 import Int4WeightLinear
 from hf_accel_plugins.quantize_int4 import kernel_problem as int4_kernel_problem
 from hf_accel_plugins.quantize_int8 import Int8WeightLinear
@@ -88,7 +88,7 @@ def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
 def install_self_draft(context: PatchContext, bits: int) -> None:
     draft = quantized_copy(context.model, bits)
     vocab = vocab_size(context.model)
-    install_runner(context, lambda model, config: ModelDrafter(draft, config, vocab), DraftLength(k=4, low=1, high=8))
+    install_runner(context, lambda model, config: SelfDrafter(draft, config, vocab), DraftLength(k=4, low=1, high=8))
     context.report.details["draft"] = SELF_DRAFTS[bits]
 
 
@@ -101,6 +101,11 @@ def self_draft_problem(context: PatchContext) -> str | None:
     quantized_weights = any(not p.is_floating_point() for p in context.model.parameters())
     if context.state.report["quantize"].backend is not None or quantized_weights:
         return "the target's weights are quantized already, so a quantized copy would not draft any cheaper"
+    with torch.device("meta"):
+        fresh = type(context.model)(copy.deepcopy(context.model.config))
+    if fresh.state_dict().keys() != context.model.state_dict().keys():
+        return ("the model's modules differ from what its class builds from its config (adapters such as LoRA?), "
+                "so a quantized copy cannot be made from it; merge the adapters first")
     return None
 
 

@@ -58,17 +58,19 @@ def test_the_cache_is_reused_while_it_fits_and_grows_once():
     hf_accel.patch(model, compile="inductor", cache_bucket=32, speculative=None)
     step = model._hf_accel_state.compiled_step
     greedy(model, ids, n=12)  # 22 positions: a 32-position cache
-    first = step._caches[1][1]
-    assert step._caches[1][0] == 32 and greedy(model, ids, n=20) is not None and step._caches[1][1] is first
+    length, first = step._caches[1, False]
+    assert length == 32
+    greedy(model, ids, n=20)
+    assert step._caches[1, False][1] is first
     assert torch.equal(greedy(model, ids, n=60), expected)  # 70 positions: grows to 96
-    assert step._caches[1][0] == 96 and step._caches[1][1] is not first
+    assert step._caches[1, False][0] == 96 and step._caches[1, False][1] is not first
 
 
 def test_sliding_window_layers_get_a_window_sized_cache():
     model = make_tiny_model("gemma2")  # alternating sliding (window 16) and full layers
     hf_accel.patch(model, compile="inductor", speculative=None)
     greedy(model, left_padded_batch(model)[0][:1], n=30)
-    cache = model._hf_accel_state.compiled_step._caches[1][1]
+    cache = model._hf_accel_state.compiled_step._caches[1, False][1]
     sizes = [(layer.is_sliding, layer.max_cache_len) for layer in cache.layers]
     assert sizes == [(True, 16), (False, 256)]
 

@@ -1,0 +1,88 @@
+"""The speculative loop over compiled forwards: fixed-length rollback caches, for the target and a draft model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import left_padded_batch, make_tiny_model
+from test_speculative import ScriptedDrafter, drafter_plugin, greedy
+
+import hf_accel
+from hf_accel.cached_lm import CachedLM
+from hf_accel.kv_cache import PreallocatedCache, RollbackStaticCache
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled(model, role="target") -> dict:
+    return hf_accel.report(model)["speculative"].details["compiled"][role]
+
+
+def test_rollback_cache_matches_the_growing_cache_through_rollbacks_and_realignment(tiny_model):
+    """Eager forwards over both caches, through the steps the loop takes: rows keep different counts."""
+    ids, mask = left_padded_batch(tiny_model, (7, 3, 5))
+    chunks = torch.randint(3, 400, (4, 3, 5), generator=torch.Generator().manual_seed(0))
+    kept = [torch.tensor(k) for k in ([5, 2, 1], [1, 1, 1], [3, 5, 4], [2, 1, 5])]
+    logits = []
+    for cache in (PreallocatedCache(tiny_model.config), RollbackStaticCache(tiny_model.config, max_cache_len=64)):
+        lm = CachedLM(tiny_model, cache)
+        with torch.no_grad():
+            steps = [lm.prefill(ids, mask)[:, None]]
+            for chunk, keep in zip(chunks, kept):
+                steps.append(lm.extend(chunk))
+                lm.keep(keep)
+        logits.append(torch.cat(steps, dim=1))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_loop_is_token_identical_with_per_row_rollback_and_eos(tiny_model):
+    ids, mask = left_padded_batch(tiny_model)  # 7 + 40 tokens: past mistral's and gemma2's window of 16
+    reference = greedy(tiny_model, ids, mask, max_new_tokens=40)
+    eos = int(reference[1, ids.shape[1] + 9])  # row 1 ends inside a draft
+    tiny_model.generation_config.eos_token_id = eos
+    expected = greedy(tiny_model, ids, mask, max_new_tokens=40)
+    drafter = lambda model, config: ScriptedDrafter(reference, ids.shape[1])
+    hf_accel.patch(tiny_model, compile="inductor", speculative="test_drafter", plugins=[drafter_plugin(drafter)])
+    assert torch.equal(greedy(tiny_model, ids, mask, max_new_tokens=40), expected)
+    details = hf_accel.report(tiny_model)["speculative"].details
+    assert 0 < details["accepted"] < details["drafted"]
+    target = compiled(tiny_model)
+    assert target["failure"] is None and target["compiled_steps"] > 0
+    assert target["check_error"] < 1e-3
+
+
+def test_later_calls_reuse_the_compiled_graphs(llama):
+    ids, _ = left_padded_batch(llama, (30,))
+    expected = [greedy(llama, ids[:, :n], torch.ones_like(ids[:, :n]), max_new_tokens=24) for n in (30, 12)]
+    hf_accel.patch(llama, compile="inductor", speculative="ngram")
+    assert torch.equal(greedy(llama, ids, torch.ones_like(ids), max_new_tokens=24), expected[0])
+    graphs = compiled(llama)["graphs_compiled"]
+    assert graphs <= 2  # one graph for single tokens, one for every wider chunk
+    short = ids[:, :12]
+    assert torch.equal(greedy(llama, short, torch.ones_like(short), max_new_tokens=24), expected[1])
+    assert compiled(llama)["graphs_compiled"] == graphs
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_compiled_int4_self_draft_is_token_identical(arch):
+    model = make_tiny_model(arch)
+    ids, mask = left_padded_batch(model)
+    expected = greedy(model, ids, mask, max_new_tokens=30)
+    hf_accel.patch(model, compile="inductor", speculative="ngram_self_int4")
+    assert torch.equal(greedy(model, ids, mask, max_new_tokens=30), expected)
+    draft = compiled(model, "draft")
+    assert draft["failure"] is None and draft["compiled_steps"] > 0
+    assert hf_accel.report(model)["speculative"].details["sources"]["model_accepted"] > 0
+
+
+def test_without_compile_the_loop_runs_eagerly_over_the_patch_cache(llama):
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    ids, mask = left_padded_batch(llama)
+    greedy(llama, ids, mask, max_new_tokens=8)
+    assert "compiled" not in hf_accel.report(llama)["speculative"].details
+    assert llama._hf_accel_state.kv_cache.layers[0].length > 0  # the loop ran in the patch's own cache
