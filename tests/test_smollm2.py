@@ -37,8 +37,12 @@ def test_patched_greedy_output_equals_stock_on_every_shipped_prompt(smollm2):
     try:
         for x, want in zip(inputs, expected):
             assert torch.equal(greedy(model, x, 64), want)
-        details = hf_accel.report(model)["speculative"].details
+        speculative = hf_accel.report(model)["speculative"]
+        details = speculative.details
+        assert speculative.backend == "ngram_self_int4"  # auto: the int4 copy, extended by prompt lookup
         assert details["accepted"] > 0 and details["fallbacks_to_stock"] == 0
+        for role in ("target", "draft"):  # both ran compiled, every graph checked against eager
+            assert details["compiled"][role]["compiled_steps"] > 0 and details["compiled"][role]["failure"] is None
     finally:
         hf_accel.unpatch(model)
 

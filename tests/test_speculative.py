@@ -261,6 +261,29 @@ def test_draft_model_sampling_follows_the_target_distribution():
     assert chi_square_p_value(observed, exact.double() * rows) > 0.001
 
 
+def test_int4_self_draft_extended_by_lookup_samples_the_target_distribution():
+    """Model-drafted tokens carry the copy's q, lookup-appended ones a point mass (significance level 0.001)."""
+    vocab, rows, prompt = 6, 3000, torch.tensor([[1, 4, 2, 5, 1, 4, 2, 5]])  # repeats: the lookup extends
+    config = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+        first = model(prompt).logits[0, -1].softmax(-1)
+        seconds = torch.stack([model(torch.cat([prompt, torch.tensor([[t]])], 1)).logits[0, -1].softmax(-1)
+                               for t in range(vocab)])
+    exact = (first[:, None] * seconds).reshape(-1)
+    hf_accel.patch(model, compile=None, speculative="ngram_self_int4")
+    torch.manual_seed(3)
+    out = model.generate(prompt.repeat(rows, 1), attention_mask=torch.ones(rows, 8, dtype=torch.long),
+                         do_sample=True, top_k=0, max_new_tokens=2, pad_token_id=0)
+    observed = torch.bincount(out[:, 8] * vocab + out[:, 9], minlength=vocab * vocab).double()
+    sources = stats(model)["sources"]
+    assert sources["lookup_drafted"] > 0 and 0 < sources["model_accepted"] < sources["model_drafted"]
+    assert chi_square_p_value(observed, exact.double() * rows) > 0.001
+
+
 def test_draft_model_must_share_the_vocabulary(llama):
     other = make_tiny_model("gpt2")
     other.resize_token_embeddings(4096)

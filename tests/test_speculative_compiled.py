@@ -86,3 +86,12 @@ def test_without_compile_the_loop_runs_eagerly_over_the_patch_cache(llama):
     greedy(llama, ids, mask, max_new_tokens=8)
     assert "compiled" not in hf_accel.report(llama)["speculative"].details
     assert llama._hf_accel_state.kv_cache.layers[0].length > 0  # the loop ran in the patch's own cache
+
+
+def test_a_compiled_draft_model_is_token_identical(llama):
+    ids, mask = left_padded_batch(llama)
+    expected = greedy(llama, ids, mask, max_new_tokens=30)
+    hf_accel.patch(llama, compile="inductor", speculative=make_tiny_model("llama", seed=1))
+    assert torch.equal(greedy(llama, ids, mask, max_new_tokens=30), expected)
+    draft = compiled(llama, "draft")  # reads the prompt itself and catches up rows of different lengths
+    assert draft["failure"] is None and draft["compiled_steps"] > 0
