@@ -48,11 +48,12 @@ class Draft:
     def width(self) -> int:
         return self.tokens.shape[1]
 
-    def trimmed(self) -> Draft:
-        """Without columns no row uses, so the target does not verify padding."""
-        width = int(self.lengths.max()) if self.lengths.numel() else 0
+    def trimmed(self, limit: int) -> Draft:
+        """At most ``limit`` tokens per row, without columns no row uses (the target need not verify them)."""
+        lengths = self.lengths.clamp_max(limit)
+        width = int(lengths.max()) if lengths.numel() else 0
         probs = None if self.probs is None else self.probs[:, :width]
-        return Draft(self.tokens[:, :width], self.lengths, probs)
+        return Draft(self.tokens[:, :width], lengths, probs)
 
 
 class Drafter(Protocol):
@@ -196,7 +197,8 @@ class SpeculativeLoop:
         return self._sequences()
 
     def _step(self) -> None:
-        draft = self.drafter.propose(self, self.draft_length.k).trimmed()
+        length = self.draft_length
+        draft = self.drafter.propose(self, length.k).trimmed(length.k + length.extra)  # what the caches have room for
         chunk = torch.cat([torch.stack([row[-1] for row in self.rows])[:, None], draft.tokens], dim=1)
         logits = self.target.extend(chunk)  # position j predicts what follows chunk[:, j]
         kept, tokens, scores = self._accept(logits, draft)
