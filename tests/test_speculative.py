@@ -83,11 +83,12 @@ def stats(model):
     return hf_accel.report(model)["speculative"].details
 
 
+@pytest.mark.parametrize("kv_cache", ["static", None], ids=["static-cache", "own-growing-cache"])
 @pytest.mark.parametrize("lengths", [(1,), (17,), (7, 3, 5)], ids=["len1", "len17", "batch3-left-padded"])
-def test_greedy_ngram_is_token_identical_to_stock(tiny_model, lengths):
+def test_greedy_ngram_is_token_identical_to_stock(tiny_model, lengths, kv_cache):
     ids, mask = left_padded_batch(tiny_model, lengths)
     expected = greedy(tiny_model, ids, mask, max_new_tokens=24)
-    hf_accel.patch(tiny_model, compile=None, speculative="ngram")
+    hf_accel.patch(tiny_model, compile=None, kv_cache=kv_cache, speculative="ngram")
     assert torch.equal(greedy(tiny_model, ids, mask, max_new_tokens=24), expected)
     assert stats(tiny_model)["fallbacks_to_stock"] == 0
 
