@@ -35,6 +35,8 @@ def install(context: PatchContext) -> None:
     step = CompiledDecodeStep(model, mode=mode, bucket=int(context.option("cache_bucket", 256)),
                               details=context.report.details,
                               tolerance=BF16_CHECK_TOLERANCE if low_precision else CHECK_TOLERANCE)
+    context.report.details["serves"] = ("stock generate's decode steps; the speculative loop compiles its own "
+                                        "forwards with these settings (its report: speculative 'compiled')")
     context.changes.setattr(state, "compiled_step", step)
     context.changes.setattr(model, "get_compiled_call", step.get_compiled_call)
 
