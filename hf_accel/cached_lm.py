@@ -91,10 +91,6 @@ class CachedLM:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int,
                  step: Callable[..., Any] | None = None) -> torch.Tensor:
         step = self.step if step is None else step
-        if step is not self.model and ids.shape[1] > 1:
-            # One compiled graph for every chunk width, rather than one per width before dynamo generalizes.
-            torch._dynamo.maybe_mark_dynamic(ids, 1)
-            torch._dynamo.maybe_mark_dynamic(positions, 1)
         # logits_to_keep=0 means all: a constant, where the chunk's width would be one more number to specialize on.
         kwargs = {"logits_to_keep": 0 if keep == ids.shape[1] else keep} if self._supports_logits_to_keep else {}
         out = step(input_ids=ids, attention_mask=self._full_mask(), position_ids=positions,

@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--against", choices=["llama.cpp"], help="also run the GGUF model in llama.cpp")
     bench.add_argument("--json", help="write the rows to this JSON file")
     bench.add_argument("--plot", help="save a bar chart PNG here (needs matplotlib)")
+    bench.add_argument("--cold", action="store_true",
+                       help="start-up instead: a short script in fresh processes, stock and patched, with empty then "
+                            "warm caches; total time, time to first token and the break-even length")
+    bench.add_argument("--lengths", default="32,128,512", help="with --cold: comma-separated max_new_tokens")
     bench.set_defaults(func=cmd_bench)
 
     attn = sub.add_parser("bench-attention", help="prefill attention per backend: time and extra memory")
@@ -75,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument("--steps", type=int, default=32, help="decode steps measured")
     step.add_argument("--quantize", default="", help="comma-separated quantize schemes to add")
     step.set_defaults(func=cmd_bench_step)
+
+    cache = sub.add_parser("cache", help="the compile cache: what it holds (info), or empty it (clear)")
+    cache.add_argument("action", choices=["info", "clear"])
+    cache.add_argument("--dir", help="the cache directory (default: HF_ACCEL_CACHE, else ~/.cache/hf_accel)")
+    cache.set_defaults(func=cmd_cache)
 
     gen = sub.add_parser("generate", help="generate from one prompt, then print tokens/s and the report")
     gen.add_argument("--prompt", required=True)
@@ -138,9 +147,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     timed_generate(model, encoded[0], 4)  # warm-up, so the first timed call is not charged for it
     stock = [timed_generate(model, e, args.max_new_tokens) for e in tqdm(encoded, desc="stock generate")]
     patch(model)
-    # A whole call on the longest prompt: the patch's fixed-length caches are sized for every prompt here,
-    # and its forwards compile here rather than in a timed call.
-    print("Warming up the patched model (it compiles its forwards once: a minute or two on a small CPU)...")
+    # A whole call on the longest prompt: the patch's fixed-length caches are sized for every prompt here.
+    # The default compile policy runs these first calls eagerly (compiling would not pay for itself yet).
+    print("Warming up the patched model (one call)...")
     timed_generate(model, max(encoded, key=lambda e: e["input_ids"].shape[-1]), args.max_new_tokens)
     patched = [timed_generate(model, e, args.max_new_tokens) for e in tqdm(encoded, desc="patched generate")]
 
@@ -166,6 +175,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .bench import default_configs, format_table, plot, run_bench, summary_table, write_json
 
+    if args.cold:
+        return _bench_cold(args)
     if args.max_new_tokens < 1 or args.repeat < 1:
         raise CLIError("--max-new-tokens and --repeat must be at least 1")
     prompts = load_prompts(args.prompts)
@@ -196,6 +207,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
         write_json(rows, args.json)
     if args.plot:
         plot(rows, args.plot)
+    return 0
+
+
+def _bench_cold(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from .bench_cold import ColdConfig, format_break_even, format_cold_table, run_cold_bench, write_cold_json
+
+    try:
+        lengths = [int(n) for n in args.lengths.split(",")]
+    except ValueError:
+        raise CLIError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
+    if len(lengths) < 2 or min(lengths) < 1:
+        raise CLIError("--lengths needs at least two lengths, each at least 1 (the break-even is a fitted line)")
+    configs = [ColdConfig("stock", None), ColdConfig("patch(model)", {})]
+    configs += [ColdConfig(c.name.removeprefix("hf_accel "), c.patch_kwargs) for c in map(_patch_config, args.patch)]
+    if args.model is None:
+        gguf = default_model_file()
+        model_dir, gguf_file = str(gguf.parent), gguf.name
+    else:
+        path = Path(args.model)
+        model_dir, gguf_file = (str(path.parent), path.name) if path.suffix == ".gguf" else (str(path), args.gguf_file)
+    prompt = load_prompts(args.prompts)[0]
+    runs_total = len(configs) * (1 + 2 * len(lengths))
+    bar = tqdm(total=runs_total, desc="bench --cold", unit="process")
+
+    def progress(label: str) -> None:
+        bar.set_postfix_str(label[:60])
+        bar.update(1)
+
+    runs = run_cold_bench(model_dir, gguf_file, prompt.prompt, lengths, configs, progress)
+    bar.close()
+    print(f"\nprompt: {prompt.category}:{prompt.name}\n\n{format_cold_table(runs)}\n\n{format_break_even(runs)}")
+    if args.json:
+        write_cold_json(runs, args.json)
     return 0
 
 
@@ -272,6 +318,30 @@ def _one_per_category(prompts):
     for prompt in prompts:
         firsts.setdefault(prompt.category, prompt)
     return list(firsts.values())
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from .compile_cache import CompileStore
+
+    store = CompileStore(args.dir)
+    if args.action == "clear":
+        freed = store.clear()
+        print(f"removed {store.directory} ({freed / 2**20:.1f} MB)")
+        return 0
+    entries = store.entries()
+    print(f"hf_accel compile cache: {store.directory}  ({len(entries)} entries, {store.size_bytes() / 2**20:.1f} MB)")
+    rows = [("model (its Linear layers)", "compiled shape class", "cold s", "warm s", "created")]
+    rows += [(e.model, e.shape, _seconds(e.cold_seconds), _seconds(e.warm_seconds), e.created) for e in entries]
+    if entries:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print(f"compiled code: {store.inductor_directory} (inductor's cache, used for hf_accel's compiles only)")
+    return 0
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

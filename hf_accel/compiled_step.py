@@ -1,19 +1,24 @@
-"""A compiled forward over a fixed-shape KV cache: stock ``generate``'s decode step, and the chunks the
-speculative loop verifies and drafts.
+"""A compiled decode step: stock ``generate``'s decode steps, and the chunks the speculative loop verifies and
+drafts, with the model's decoder layers running compiled graphs over fixed-length caches.
 
 ``generate`` runs the prompt eagerly, then calls ``model.get_compiled_call(...)`` for every decode step when
-the cache is a compileable one. :class:`CompiledDecodeStep` is what that call returns on a patched model: a
-``torch.compile`` of the model's forward that counts its compilations, times them, checks each new graph
-against the eager forward once, and falls back to eager (with the reason) if compiling fails.
+the cache is a compileable one. :class:`CompiledDecodeStep` is what that call returns on a patched model.
+It runs the model's own forward; its decoder layers (see :mod:`hf_accel.regions`) run one compiled graph per
+kind of layer and shape class, compiled on the side from a real call's inputs, checked against the eager
+layer on that call, and afterwards only looked up: a call never compiles by surprise. Until a shape class
+is compiled its layers run eagerly, and :class:`~hf_accel.compile_policy.CompilePolicy` decides when
+compiling it is worth the wait. Compiled artifacts are kept in a
+:class:`~hf_accel.compile_cache.CompileStore` so that later processes load them instead of compiling.
 
-Shapes stay fixed: the cache's length is a bucket (a multiple of :data:`BUCKET`) reused by every later call
-that fits, so calls with other prompt lengths and ``max_new_tokens`` run the graph already compiled.
-Sliding-window layers get window-sized layers (transformers' ``StaticCache`` builds them from the config).
+Shapes stay fixed per cache: its length is a bucket (a multiple of :data:`BUCKET`) reused by every later call
+that fits. Batch size, chunk width and cache length are dynamic in the graphs, so other prompts, batch sizes
+and ``max_new_tokens`` run the graphs already compiled.
 
 Example::
 
     step = CompiledDecodeStep(model)
-    kwargs = step.generate_kwargs(batch_size=1, needed_length=400)  # cache + compile config
+    step.install(Changes())                                            # route the decoder layers
+    kwargs = step.generate_kwargs(batch_size=1, needed_length=400)     # cache + compile config
     model.generate(**inputs, max_new_tokens=128, **kwargs)
 """
 
@@ -22,25 +27,33 @@ from __future__ import annotations
 import logging
 import time
 import types
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
-from transformers import StaticCache
-from transformers.cache_utils import Cache
+from torch import nn
+from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
 from transformers.generation import CompileConfig
 
+from .changes import Changes
+from .compile_cache import CompileStore, fingerprint
+from .compile_policy import CompilePolicy, Decision
 from .kv_cache import RollbackStaticCache
+from .regions import (ACTIVE_RUN, LayerCacheView, Region, RegionRun, ShapeClass, cache_argument, decoder_layers,
+                      hidden_states_of, route, shape_class, side_inputs, tensors_in, with_cache, without_cache)
 
 logger = logging.getLogger(__name__)
 
-#: Cache lengths are rounded up to a multiple of this, and a cache serves every later call that fits in it,
-#: so most calls meet shapes already compiled.
+_FROM_STORE = "compiled before on this machine"
+#: What the step times its eager decode steps and compiles with (tests substitute a clock of their own).
+_clock = time.perf_counter
+#: Cache lengths are rounded up to a multiple of this, and a cache serves every later call that fits in it.
 BUCKET = 256
-#: Relative logit error above which a freshly compiled graph is refused: exact fp32 graphs measure ~1e-6.
+#: Relative error above which a freshly compiled graph is refused: exact fp32 graphs measure ~1e-6.
 CHECK_TOLERANCE = 1e-3
 #: The same where activations are rounded to bf16 (quantized Linear kernels): inductor fuses the casts, which
-#: moves logits by about one bf16 rounding (SmolLM2 int4: 5.5e-3).
+#: moves outputs by about one bf16 rounding (SmolLM2 int4: 5.5e-3 on the logits).
 BF16_CHECK_TOLERANCE = 2e-2
 
 
@@ -66,66 +79,142 @@ class CompileStats:
 
     graphs_compiled: int = 0
     compile_seconds: float = 0.0
-    compiled_steps: int = 0
-    eager_steps: int = 0
-    shapes: int = 0  # distinct (batch, cache length) signatures seen
-    check_error: float | None = None  # worst relative logit error of a new graph against the eager forward
+    compiled_steps: int = 0  # forwards whose every layer ran a compiled graph
+    eager_steps: int = 0  # forwards with a layer whose shape class was not compiled (yet)
+    eager_seconds: float = 0.0  # the time of those forwards: what running eagerly has cost so far
+    misses: int = 0  # layer calls of a compiled shape class that matched no graph (ran eagerly)
+    check_error: float | None = None  # worst relative error of a new graph against the eager layer
     failure: str | None = None  # why the step fell back to eager for good
 
 
-class CompiledDecodeStep:
-    """The model's forward, compiled for decode steps, and the fixed-shape caches it runs over."""
+class RegionGraphs:
+    """The compiled graphs of one kind of layer. A function of its own (dynamo keeps graphs, and its limit on
+    recompiles, per code object), compiled on purpose through ``compile`` and otherwise run through
+    ``run``, which only looks graphs up: a call that matches none runs eagerly and is counted."""
 
-    def __init__(self, model: torch.nn.Module, mode: str | None = None, bucket: int = BUCKET,
-                 details: dict[str, Any] | None = None, tolerance: float = CHECK_TOLERANCE) -> None:
+    def __init__(self, name: str, backend: Callable[..., Any]) -> None:
+        self.misses = [0]
+        self.body = _function_named(_region_body(self.misses), name)
+        self.compile = torch.compile(self.body, backend=backend, dynamic=None)
+        self.run = torch._dynamo.run(self.body)
+
+
+def _region_body(misses: list[int]) -> Callable[..., Any]:
+    def region(layer: nn.Module, layer_cache: Any, cache_slot: int | str, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():  # only runs as Python when no graph matched
+            misses[0] += 1
+        args, kwargs = with_cache(args, kwargs, cache_slot, LayerCacheView(layer_cache))
+        return type(layer).forward(layer, *args, **kwargs)
+
+    return region
+
+
+def _function_named(function: types.FunctionType, name: str) -> types.FunctionType:
+    """``function`` with a code object of its own, named ``name``."""
+    code = function.__code__.replace(co_name=name)
+    return types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
+
+
+class CompiledDecodeStep:
+    """The model's forward for decode steps, its decoder layers compiled one kind at a time, and the
+    fixed-length caches it runs over.
+
+    :param policy: when to compile a shape class (default: once waiting has cost as much as compiling).
+    :param store: where compiled artifacts persist between processes (None: nowhere).
+    """
+
+    def __init__(self, model: nn.Module, mode: str | None = None, bucket: int = BUCKET,
+                 details: dict[str, Any] | None = None, tolerance: float = CHECK_TOLERANCE,
+                 policy: CompilePolicy | None = None, store: CompileStore | None = None) -> None:
         self.model = model
         self.tolerance = tolerance
         self.details = {} if details is None else details  # kept up to date with the stats (the report's)
         self.bucket = bucket
+        self.policy = policy or CompilePolicy()
+        self.store = store
         self.backend = CountingBackend(mode)
-        self.eager = model.__call__
-        # dynamic=None: a number that changes between steps (a sliding layer's fill level) is made symbolic after
-        # its first change instead of recompiling at every step.
-        self.compiled = torch.compile(_calling(model), backend=self.backend, dynamic=None, fullgraph=False)
+        self.regions = {id(region.layer): region for region in decoder_layers(model)}
         self.stats = CompileStats()
-        # Only turns on transformers' switch to get_compiled_call (which returns self); its settings are unused.
-        self.compile_config = CompileConfig()
+        self.compile_config = CompileConfig()  # turns on transformers' switch to get_compiled_call; settings unused
         self.compile_config._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
-        self._caches: dict[tuple[int, bool], tuple[int, Cache]] = {}  # (batch size, rollback) -> (positions, cache)
-        self._checked: set[tuple] = set()
+        self._graphs: dict[str, RegionGraphs] = {}
+        self._compiled: dict[ShapeClass, float] = {}  # shape class -> seconds its compile took
+        self._decisions: dict[ShapeClass, Decision] = {}
+        self._fingerprints: dict[str, dict[str, Any]] = {}
+        self._caches: dict[int, tuple[int, Cache]] = {}  # batch size -> (positions, cache)
+        self._installed: Changes | None = None
+        self._call_start = 0.0  # eager seconds when the current call began
+        self._call_forecast = 0.0  # eager seconds the current call is expected to take
+        self._seconds_per_token: float | None = None  # measured on the last call that ran eagerly
+        self._derived: list[CompiledDecodeStep] = []
         self._publish()
 
     def __repr__(self) -> str:
         s = self.stats
-        return (f"<CompiledDecodeStep: {s.graphs_compiled} graphs in {s.compile_seconds:.1f}s, "
-                f"{s.compiled_steps} compiled steps{', failed: ' + s.failure if s.failure else ''}>")
+        return (f"<CompiledDecodeStep of {type(self.model).__name__}: {len(self._compiled)} shape classes compiled "
+                f"({s.graphs_compiled} graphs, {s.compile_seconds:.1f}s), {s.compiled_steps} compiled / "
+                f"{s.eager_steps} eager steps{', failed: ' + s.failure if s.failure else ''}>")
+
+    # -- installing -----------------------------------------------------------------------------------------
+    def install(self, changes: Changes) -> None:
+        """Route the model's decoder layers through this step (undone with ``changes``)."""
+        for region in self.regions.values():
+            if "forward" in vars(region.layer):
+                raise ValueError(f"{type(region.layer).__name__} already has a forward of its own on this instance "
+                                 "(another library wraps it), which compiled regions would bypass")
+        for region in self.regions.values():
+            changes.setattr(region.layer, "forward", route(region.layer))
+        self._installed = changes
+
+    def release(self) -> None:
+        """Undo the routing of every model this step made a compiled forward for (see :meth:`for_model`)."""
+        while self._derived:
+            step = self._derived.pop()
+            if step._installed is not None:
+                step._installed.undo()
+
+    def for_model(self, model: nn.Module, details: dict[str, Any] | None = None,
+                  tolerance: float | None = None) -> CompiledDecodeStep:
+        """A compiled forward with this one's settings for ``model`` (the same one, or a draft model), with
+        graphs, caches and statistics of its own; its routing is undone by this step's :meth:`release`."""
+        step = CompiledDecodeStep(model, mode=self.backend.mode, bucket=self.bucket, details=details,
+                                  tolerance=self.tolerance if tolerance is None else tolerance,
+                                  policy=self.policy, store=self.store)
+        step.install(Changes())
+        self._derived.append(step)
+        return step
 
     # -- what generate is given ---------------------------------------------------------------------------
     def generate_kwargs(self, batch_size: int, needed_length: int) -> dict[str, Any]:
         """``past_key_values`` and ``compile_config`` for a ``generate`` call of this batch size and length."""
         return {"past_key_values": self.cache_for(batch_size, needed_length), "compile_config": self.compile_config}
 
-    def cache_for(self, batch_size: int, needed_length: int, rollback: bool = False) -> Cache:
+    def cache_for(self, batch_size: int, needed_length: int) -> Cache:
         """The cache for this batch size, emptied; reallocated (one bucket larger) only when it is too short.
-        ``rollback=True``: a :class:`~hf_accel.kv_cache.RollbackStaticCache` (full-length layers that can be
-        cropped and realigned), for the speculative loop."""
-        length, cache = self._caches.get((batch_size, rollback), (0, None))
+        A :class:`~hf_accel.kv_cache.RollbackStaticCache`: full-length layers (the sliding window is applied
+        by the mask) that the speculative loop can crop and realign."""
+        length, cache = self._caches.get(batch_size, (0, None))
         if cache is None or length < needed_length:
             length = -(-needed_length // self.bucket) * self.bucket
-            kind = RollbackStaticCache if rollback else StaticCache
-            cache = kind(self.model.config, max_cache_len=length)
-            self._caches[batch_size, rollback] = (length, cache)
-            logger.debug("%s for batch %d: %d positions", kind.__name__, batch_size, length)
+            cache = RollbackStaticCache(self.model.config, max_cache_len=length)
+            self._caches[batch_size] = (length, cache)
+            logger.debug("static cache for batch %d: %d positions", batch_size, length)
         else:
             cache.reset()
         return cache
 
-    def for_model(self, model: torch.nn.Module, details: dict[str, Any] | None = None,
-                  tolerance: float | None = None) -> CompiledDecodeStep:
-        """A compiled forward with this one's settings for ``model`` (the same one, or a draft model), with
-        graphs, caches and statistics of its own."""
-        return CompiledDecodeStep(model, mode=self.backend.mode, bucket=self.bucket, details=details,
-                                  tolerance=self.tolerance if tolerance is None else tolerance)
+    def begin_call(self, new_tokens: int) -> None:
+        """A ``generate`` call asking for up to ``new_tokens`` tokens starts: the compile policy weighs what the
+        rest of it would cost eagerly (once this model's eager seconds per token are known)."""
+        self._call_start = self.stats.eager_seconds
+        self._call_forecast = new_tokens * self._seconds_per_token if self._seconds_per_token else 0.0
+
+    def end_call(self, tokens: int) -> None:
+        """The call made ``tokens`` tokens (per row); its eager time per token updates the forecast."""
+        spent = self.stats.eager_seconds - self._call_start
+        if spent > 0 and tokens > 0:
+            self._seconds_per_token = spent / tokens
+        self._call_forecast = 0.0
 
     def get_compiled_call(self, compile_config: Any = None) -> CompiledDecodeStep:  # noqa: ARG002
         """Stands in for ``PreTrainedModel.get_compiled_call`` on the patched instance."""
@@ -133,78 +222,156 @@ class CompiledDecodeStep:
 
     # -- one decode step ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.stats.failure is not None:
-            return self._eager_step(args, kwargs)
-        signature = _signature(kwargs)
-        if signature not in self._checked:
-            out = self._first_call(signature, args, kwargs)
-            self._publish()
-            return out
-        graphs, start = self.backend.graphs, time.perf_counter()
+        if self.stats.failure is not None or self._installed is None:
+            self.stats.eager_steps += 1
+            self.details["eager_steps"] = self.stats.eager_steps
+            return self.model(*args, **kwargs)
+        run = RegionRun(self)
+        token = ACTIVE_RUN.set(run)
+        compiling_before, start = self.stats.compile_seconds, _clock()
         try:
-            out = self.compiled(*args, **kwargs)
-        except Exception as exc:  # a recompile that fails (compiling happens before the graph runs)
-            self._fail(f"recompiling raised {_describe(exc)}")
-            return self._eager_step(args, kwargs)
-        self.stats.compiled_steps += 1
-        if self.backend.graphs != graphs:
-            self._count_compile(graphs, start)
-        self.details["compiled_steps"] = self.stats.compiled_steps
+            out = self.model(*args, **kwargs)
+        finally:
+            ACTIVE_RUN.reset(token)
+        if run.compiled_layers and not run.eager_layers:
+            self.stats.compiled_steps += 1
+        else:
+            self.stats.eager_steps += 1
+        if run.waiting:  # time spent compiling is not time lost running eagerly
+            self.stats.eager_seconds += _clock() - start - (self.stats.compile_seconds - compiling_before)
+        self._publish()
         return out
 
-    def _count_compile(self, graphs_before: int, start: float) -> None:
-        self.stats.compile_seconds += time.perf_counter() - start
-        self.stats.graphs_compiled += self.backend.graphs - graphs_before
-        self._publish()
+    def layer_forward(self, run: RegionRun, region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One decoder layer inside a decode step: its compiled graph, a compile on the side, or eager."""
+        found = cache_argument(args, kwargs)
+        layer_cache = found[1].layers[region.cache_index] if found is not None else None
+        if self.stats.failure is not None or not _compileable(layer_cache):
+            run.eager_layers += 1
+            return type(region.layer).forward(region.layer, *args, **kwargs)
+        slot = found[0]
+        shape = shape_class(region, hidden_states_of(args, kwargs))
+        graphs = self._graphs_for(region.kind)
+        if shape in self._compiled:
+            misses = graphs.misses[0]
+            out = graphs.run(region.layer, layer_cache, slot, *without_cache(args, kwargs, slot)[0],
+                             **without_cache(args, kwargs, slot)[1])
+            missed = graphs.misses[0] - misses
+            self.stats.misses += missed
+            run.eager_layers += missed
+            run.compiled_layers += 1 - missed
+            return out
+        run.waiting = True
+        run.eager_layers += 1
+        if self._decide(shape).compile:
+            return self._compile_and_check(graphs, shape, region, layer_cache, slot, args, kwargs)
+        return type(region.layer).forward(region.layer, *args, **kwargs)
 
-    def _publish(self) -> None:
-        self.details.update(asdict(self.stats), bucket=self.bucket, mode=self.backend.mode or "default")
+    # -- compiling ----------------------------------------------------------------------------------------
+    def _decide(self, shape: ShapeClass) -> Decision:
+        estimate = self._estimate(shape)
+        spent_in_call = self.stats.eager_seconds - self._call_start
+        decision = self.policy.decide(estimate, self.stats.eager_seconds, max(self._call_forecast - spent_in_call, 0))
+        if self._decisions.get(shape) != decision:
+            self._decisions[shape] = decision
+            logger.debug("%s, %s: %s", type(self.model).__name__, shape, decision.reason)
+        return decision
 
-    def _first_call(self, signature: tuple, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Compile for a new shape, then check the graph against the eager forward on the same step; the
-        eager result is the one returned, so a wrong graph never reaches the output."""
-        cache = _cache_in(kwargs)
-        snapshot = _snapshot(cache)
-        graphs, start = self.backend.graphs, time.perf_counter()
+    def _estimate(self, shape: ShapeClass) -> tuple[float, str]:
+        known = self.store.estimate(self._fingerprint(shape.kind), shape) if self.store is not None else None
+        if known is not None:
+            return known, _FROM_STORE
+        return self.policy.cold_estimate, "not compiled on this machine before"
+
+    def _compile_and_check(self, graphs: RegionGraphs, shape: ShapeClass, region: Region, layer_cache: Any,
+                           slot: int | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Compile ``shape`` from copies of this call's inputs, run the real call eagerly, and keep the graph
+        if it reproduced the eager layer's output and cache writes."""
+        estimate, why = self._estimate(shape)
+        warm = why == _FROM_STORE
+        log = logger.warning if estimate >= 10 else logger.info
+        log("hf_accel: compiling %s's decode step (%s; %s: about %.0f s)...", type(self.model).__name__, shape, why,
+            estimate)
+        graphs_before, start = self.backend.graphs, _clock()
         try:
-            compiled = self.compiled(*args, **kwargs)
-        except Exception as exc:  # a missing compiler, an op inductor cannot lower, ...
-            self._fail(f"compiling raised {_describe(exc)}")
-            _restore(cache, snapshot)
-            return self._eager_step(args, kwargs)
-        self._count_compile(graphs, start)
-        self.stats.shapes += 1
-        _restore(cache, snapshot)
-        eager = self.eager(*args, **kwargs)
-        error = _relative_error(eager.logits, compiled.logits)
+            compiled, scratch = self._compile_on_the_side(graphs, region, layer_cache, slot, args, kwargs, warm)
+        except Exception as exc:  # a missing compiler, an op inductor cannot lower, an attention it cannot trace
+            self._fail(f"compiling {shape} raised {_describe(exc)}")
+            return type(region.layer).forward(region.layer, *args, **kwargs)
+        seconds = _clock() - start
+        eager = type(region.layer).forward(region.layer, *args, **kwargs)
+        error = max([_relative_error(e, c) for e, c in zip(tensors_in(eager), tensors_in(compiled))]
+                    + [_relative_error(getattr(layer_cache, n), getattr(scratch, n)) for n in ("keys", "values")])
         self.stats.check_error = max(error, self.stats.check_error or 0.0)
+        self.stats.graphs_compiled += self.backend.graphs - graphs_before
+        self.stats.compile_seconds += seconds
         if not error <= self.tolerance:
-            self._fail(f"the compiled step's logits differ from eager by {error:.2e} (limit {self.tolerance:.0e})")
-        self._checked.add(signature)
-        self.stats.eager_steps += 1
+            self._fail(f"the compiled {shape} layer differs from eager by {error:.2e} (limit {self.tolerance:.0e})")
+            return eager
+        self._compiled[shape] = seconds
+        logger.info("hf_accel: compiled %s in %.1f s", shape, seconds)
+        if self.store is not None:  # warm if the store still has it (it is emptied when compiling from it fails)
+            fp = self._fingerprint(shape.kind)
+            self.store.record(fp, shape, seconds, warm=warm and self.store.estimate(fp, shape) is not None)
+        self._publish()
         return eager
 
-    def _eager_step(self, args: tuple, kwargs: dict[str, Any]) -> Any:
-        self.stats.eager_steps += 1
-        self.details["eager_steps"] = self.stats.eager_steps
-        return self.eager(*args, **kwargs)
+    def _compile_on_the_side(self, graphs: RegionGraphs, region: Region, layer_cache: Any, slot: int | str,
+                             args: tuple[Any, ...], kwargs: dict[str, Any], from_store: bool) -> tuple[Any, Any]:
+        """Compile and run the graph on copies of a call's inputs (the real call runs eagerly), inside the store
+        when there is one. If the store had this shape class and compiling from it fails, the store is
+        emptied and the compile retried once."""
+        def attempt() -> tuple[Any, Any]:
+            side_args, side_kwargs, scratch = side_inputs(*without_cache(args, kwargs, slot), layer_cache,
+                                                          layer_cache.max_cache_len)
+            with _separate_symbols(), (self.store.compiling() if self.store is not None else nullcontext()):
+                return graphs.compile(region.layer, scratch, slot, *side_args, **side_kwargs), scratch
+
+        try:
+            return attempt()
+        except Exception as exc:
+            if self.store is None or not from_store:
+                raise
+            self.store.reset(f"compiling from it raised {_describe(exc)}")
+            torch._dynamo.reset_code(graphs.body.__code__)
+            return attempt()
+
+    def _graphs_for(self, kind: str) -> RegionGraphs:
+        if kind not in self._graphs:
+            name = f"decoder_layer_{id(self.model):x}_{len(self._graphs)}"
+            self._graphs[kind] = RegionGraphs(name, self.backend)
+        return self._graphs[kind]
+
+    def _fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind not in self._fingerprints:
+            layer = next(r.layer for r in self.regions.values() if r.kind == kind)
+            self._fingerprints[kind] = fingerprint(self.model, layer, kind, mode=self.backend.mode,
+                                                   tolerance=self.tolerance)
+        return self._fingerprints[kind]
 
     def _fail(self, reason: str) -> None:
         self.stats.failure = reason
         self._publish()
         logger.warning("hf_accel: the compiled decode step is off, running eager: %s", reason)
 
+    def _publish(self) -> None:
+        shapes = {str(shape): f"compiled in {seconds:.1f} s" for shape, seconds in self._compiled.items()}
+        for shape, decision in self._decisions.items():
+            shapes.setdefault(str(shape), decision.reason)
+        self.details.update(asdict(self.stats), bucket=self.bucket, mode=self.backend.mode or "default",
+                            when=self.policy.when, shapes=shapes)
 
-def _calling(model: torch.nn.Module) -> Callable[..., Any]:
-    """``model(*args, **kwargs)`` as a function with a code object of its own. Dynamo keeps compiled graphs,
-    and its limit on recompiles, per code object; every model's ``__call__`` shares one, so without this a
-    second patched model would reuse (or exhaust) the first one's entries."""
 
-    def decode_step(*args: Any, **kwargs: Any) -> Any:
-        return model(*args, **kwargs)
+def _compileable(layer_cache: Any) -> bool:
+    """Full-length static layers (the caches this step makes), once the prompt has filled them."""
+    return (isinstance(layer_cache, StaticLayer) and not isinstance(layer_cache, StaticSlidingWindowLayer)
+            and layer_cache.is_initialized)
 
-    code = decode_step.__code__.replace(co_name=f"decode_step_{id(model):x}")
-    return types.FunctionType(code, decode_step.__globals__, code.co_name, None, decode_step.__closure__)
+
+def _separate_symbols() -> Any:
+    """Give every dynamic size its own symbol: by default dynamo reads two equal sizes (a batch of 3 and a
+    chunk of 3 tokens) as one, and the graph would serve only calls where they stay equal."""
+    return torch.fx.experimental._config.patch(use_duck_shape=False)
 
 
 def _describe(exc: Exception) -> str:
@@ -212,46 +379,6 @@ def _describe(exc: Exception) -> str:
     inner = getattr(exc, "inner_exception", None) or exc
     text = str(inner).strip()
     return f"{type(inner).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _signature(kwargs: dict[str, Any]) -> tuple:
-    """The shapes a compiled graph is specialized on: every tensor argument's, and which cache (each cache
-    has one length for good)."""
-    shapes = []
-    for name, value in sorted(kwargs.items()):
-        if isinstance(value, torch.Tensor):
-            shapes.append((name, tuple(value.shape)))
-        elif isinstance(value, dict):  # per-layer-type masks
-            shapes.append((name, tuple((k, tuple(v.shape)) for k, v in sorted(value.items()) if v is not None)))
-    return tuple(shapes) + (id(_cache_in(kwargs)),)
-
-
-def _cache_in(kwargs: dict[str, Any]) -> Cache | None:
-    """The KV cache a forward call was given, whatever the argument is called (``past_key_values``, or
-    ``cache`` in later transformers)."""
-    return next((value for value in kwargs.values() if isinstance(value, Cache)), None)
-
-
-def _snapshot(cache: Any) -> list[dict[str, Any]] | None:
-    """Each layer's tensors (copied) and numbers (e.g. the Python-int length a sliding layer keeps)."""
-    if cache is None:
-        return None
-    return [{name: value.clone() if isinstance(value, torch.Tensor) else value
-             for name, value in vars(layer).items() if isinstance(value, (torch.Tensor, int, float))}
-            for layer in cache.layers]
-
-
-def _restore(cache: Any, snapshot: list[dict[str, Any]] | None) -> None:
-    """Put the saved state back, tensors in place (compiled graphs hold the cache's addresses)."""
-    if cache is None or snapshot is None:
-        return
-    for layer, saved in zip(cache.layers, snapshot):
-        for name, value in saved.items():
-            current = getattr(layer, name)
-            if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) and current.shape == value.shape:
-                current.copy_(value)
-            else:
-                setattr(layer, name, value)
 
 
 def _relative_error(reference: torch.Tensor, actual: torch.Tensor) -> float:

@@ -27,6 +27,7 @@ _MODEL_INPUTS = frozenset({"inputs", "input_ids", "attention_mask", "past_key_va
 @dataclass(frozen=True)
 class _CallShape:
     batch_size: int
+    prompt_length: int
     length: int  # prompt plus new tokens
     disable_compile: bool
 
@@ -48,7 +49,12 @@ class GenerateCall:
         step = self.state.compiled_step
         if shape is not None and step is not None and not shape.disable_compile:
             kwargs.update(step.generate_kwargs(shape.batch_size, shape.length))
-        elif shape is not None and (cache := self.reusable_cache()) is not None:
+            step.begin_call(shape.length - shape.prompt_length)
+            out = self.state.original_generate(*self.args, **kwargs)
+            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+            step.end_call(sequences.shape[-1] - shape.prompt_length if sequences is not None else 0)
+            return out
+        if shape is not None and (cache := self.reusable_cache()) is not None:
             kwargs["past_key_values"] = cache
         return self.state.original_generate(*self.args, **kwargs)
 
@@ -67,7 +73,7 @@ class GenerateCall:
             return None
         batch_size, prompt = input_ids.shape
         new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
-        return _CallShape(batch_size, prompt + max(new_tokens, 1), bool(config.disable_compile))
+        return _CallShape(batch_size, prompt, prompt + max(new_tokens, 1), bool(config.disable_compile))
 
     def reusable_cache(self) -> Any:
         """The patch's KV cache, emptied, if this call may use it; else None."""

@@ -512,7 +512,7 @@ class SpeculativeRunner:
         self.draft_length = draft_length
         self.stats = SpeculativeStats()
         self._logged: set[str] = set()
-        self._compiled: dict[tuple[str, int], Any] = {}  # (role, id(model)) -> its compiled forward
+        self._compiled: dict[int, Any] = {}  # id(draft model) -> its compiled forward (the target uses the patch's)
 
     def __repr__(self) -> str:
         return f"<SpeculativeRunner k={self.draft_length.k} {self.stats.as_details()}>"
@@ -523,16 +523,21 @@ class SpeculativeRunner:
         if isinstance(plan, str):
             return self._fallback(call, plan)
         drafter = self.make_drafter(call.model, plan.config)
+        compiled: list[Any] = []  # the compiled forwards this call runs, told how long it was when it ends
         loop = SpeculativeLoop(call.model, drafter, plan.config, plan.processors, plan.stopping, plan.streamer,
                                plan.max_new_tokens, self.draft_length,
-                               make_lm=lambda model, role="target": self._cached_lm(call, plan, model, role))
+                               make_lm=lambda model, role="target": self._cached_lm(call, plan, model, role, compiled))
         with torch.no_grad():
             loop.run(plan.input_ids, plan.attention_mask)
+        tokens = max(row.shape[0] for row in loop.rows) - loop.prompt_length
+        for step in compiled:
+            step.end_call(tokens)
         self.stats.add(loop.stats)
         self.details.update(self.stats.as_details(), draft_length=self.draft_length.k)
         return to_output(loop, plan.config)
 
-    def _cached_lm(self, call: Any, plan: CallPlan, model: torch.nn.Module, role: str) -> CachedLM:
+    def _cached_lm(self, call: Any, plan: CallPlan, model: torch.nn.Module, role: str,
+                   compiled: list[Any]) -> CachedLM:
         """``model`` (the target, or a draft) with its cache for this call."""
         base = call.state.compiled_step
         # The target compiles only where its graphs reproduce eager to fp32 rounding: with bf16 activations
@@ -541,16 +546,18 @@ class SpeculativeRunner:
         inexact = base is not None and base.tolerance > CHECK_TOLERANCE and role == "target"
         if base is None or plan.config.disable_compile or inexact:
             return CachedLM(model, call.reusable_cache() if role == "target" else None)
-        step = self._compiled.get((role, id(model)))
+        step = base if model is base.model else self._compiled.get(id(model))
         if step is None:
             # A draft's graph only has to draft well: a loose check is enough (its tokens are all verified).
             step = base.for_model(model, details=self.details.setdefault("compiled", {}).setdefault(role, {}),
-                                  tolerance=None if role == "target" else DRAFT_CHECK_TOLERANCE)
-            self._compiled[role, id(model)] = step
+                                  tolerance=DRAFT_CHECK_TOLERANCE)
+            self._compiled[id(model)] = step
         batch, prompt = plan.input_ids.shape
         # Room for every token, plus a full draft verified past the budget's end.
         length = prompt + plan.max_new_tokens + self.draft_length.high + self.draft_length.extra + 2
-        return CachedLM(model, step.cache_for(batch, length, rollback=True), forward=step)
+        step.begin_call(plan.max_new_tokens)
+        compiled.append(step)
+        return CachedLM(model, step.cache_for(batch, length), forward=step)
 
     def _fallback(self, call: Any, reason: str) -> Any:
         self.stats.fallbacks += 1

@@ -48,7 +48,10 @@ def sdpa_flash_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.
         repeat = query.shape[1] // key.shape[1]  # only CUDA's flash and math kernels take GQA natively
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         gqa = False
-    with sdpa_kernel([kernel]):
+    # dynamo cannot trace sdpa_kernel (a graph break per call); compiled graphs on CPU dispatch to the same
+    # flash kernel by themselves.
+    choose = contextlib.nullcontext() if torch.compiler.is_compiling() else sdpa_kernel([kernel])
+    with choose:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
                                              dropout_p=dropout if module.training else 0.0, scale=scaling,
                                              enable_gqa=gqa)

@@ -1,14 +1,18 @@
-"""``compile="inductor"``: stock ``generate``'s decode step compiled by ``torch.compile`` over a static cache.
+"""``compile="inductor"``: decode steps whose decoder layers run graphs compiled by ``torch.compile``.
 
 Every later ``generate`` call gets a fixed-shape cache (a bucket of :data:`hf_accel.compiled_step.BUCKET`
-positions, reused while it fits, window-sized for sliding-window layers) and transformers' own switch to a
-compiled forward for the decode steps, served by :class:`~hf_accel.compiled_step.CompiledDecodeStep`:
-inductor's C++ code on CPU, CUDA graphs (``mode="reduce-overhead"``) on CUDA. On CPU in fp32 the Linear
-layers are first moved onto prepacked oneDNN weights (as ``compile="onednn_prepack"``), which inductor calls
-as opaque kernels: on SmolLM2 on a 2-core CPU the matrix products are ~70% of a step, and compiling the rest
-alone gains ~4%. The speculative loop (``speculative=``) compiles its own forwards with the same settings:
-the target's verification chunks and a draft model's steps, over fixed-length caches it can roll back.
-The prompt (prefill) stays eager.
+positions, reused while it fits) and transformers' own switch to a compiled forward for the decode steps,
+served by :class:`~hf_accel.compiled_step.CompiledDecodeStep`: the model's forward with its decoder layers
+compiled one kind at a time (regional compilation: one layer's graph serves all of them), inductor's C++ code
+on CPU, CUDA graphs (``mode="reduce-overhead"``) on CUDA. On CPU in fp32 the Linear layers are first moved
+onto prepacked oneDNN weights (as ``compile="onednn_prepack"``), which inductor calls as opaque kernels. The
+speculative loop compiles its own forwards with the same settings (the target's verification chunks and a
+draft model's steps). The prompt (prefill) stays eager.
+
+When to compile is ``compile_when``: ``"auto"`` runs layers eagerly until waiting has cost as much as
+compiling is expected to take (see :mod:`hf_accel.compile_policy`), ``"first_use"`` compiles when a call first
+needs a shape. Compiled artifacts persist in ``compile_cache`` (default: ``HF_ACCEL_CACHE`` or
+``~/.cache/hf_accel``; ``False``: not kept).
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
 from hf_accel import Backend, PatchContext, hookimpl
+from hf_accel.compile_cache import CompileStore
+from hf_accel.compile_policy import CompilePolicy
 from hf_accel.compiled_step import BF16_CHECK_TOLERANCE, CHECK_TOLERANCE, CompiledDecodeStep
 from hf_accel.kv_cache import PreallocatedLayer
+from hf_accel.regions import decoder_layers
 from hf_accel_plugins.compile_onednn import pack_linears
 
 
@@ -34,11 +41,22 @@ def install(context: PatchContext) -> None:
     low_precision = quantized or state.dtype in (torch.float16, torch.bfloat16)
     step = CompiledDecodeStep(model, mode=mode, bucket=int(context.option("cache_bucket", 256)),
                               details=context.report.details,
-                              tolerance=BF16_CHECK_TOLERANCE if low_precision else CHECK_TOLERANCE)
+                              tolerance=BF16_CHECK_TOLERANCE if low_precision else CHECK_TOLERANCE,
+                              policy=CompilePolicy(when=context.option("compile_when", "auto")),
+                              store=_store(context.option("compile_cache", True)))
     context.report.details["serves"] = ("stock generate's decode steps; the speculative loop compiles its own "
                                         "forwards with these settings (its report: speculative 'compiled')")
+    step.install(context.changes)
+    context.changes.on_undo(step.release)
     context.changes.setattr(state, "compiled_step", step)
     context.changes.setattr(model, "get_compiled_call", step.get_compiled_call)
+
+
+def _store(setting: object) -> CompileStore | None:
+    """``compile_cache``: True for the default directory, a path, or False/None for no store."""
+    if setting in (None, False):
+        return None
+    return CompileStore(None if setting is True else str(setting))
 
 
 def _can_prepack(context: PatchContext) -> bool:
@@ -60,6 +78,13 @@ def why_unsuitable(context: PatchContext) -> str | None:
         return "encoder-decoder models are not covered by the compiled decode step"
     if not getattr(model, "_can_compile_fullgraph", False):
         return f"transformers does not mark {type(model).__name__} as compileable with a static cache"
+    try:
+        regions = decoder_layers(model)
+    except ValueError as exc:
+        return str(exc)
+    if any("forward" in vars(region.layer) for region in regions):
+        return ("its decoder layers' forward is wrapped on the instance (accelerate hooks?), which compiling would "
+                "bypass")
     cache = context.state.kv_cache
     if cache is not None and any(type(layer).encode is not PreallocatedLayer.encode for layer in cache.layers):
         return ("the KV cache stores keys and values in another form (e.g. kv_cache='static-int8'), which the "
@@ -90,6 +115,7 @@ def hf_accel_register_backends(register):
         why_unsuitable=why_unsuitable,
         probe="forward",  # checks the prepacked weights; each compiled graph is checked against eager on first use
         priority=20,
-        options={"prepack": True, "compile_mode": None, "cache_bucket": 256},
+        options={"prepack": True, "compile_mode": None, "cache_bucket": 256, "compile_when": "auto",
+                 "compile_cache": True},
         description="decode step compiled by torch.compile over a fixed-shape static cache (oneDNN weights on CPU)",
     ))

@@ -50,6 +50,14 @@ def llama():
     return make_tiny_model("llama")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compile_cache_of_the_session(tmp_path_factory):
+    """Compiled graphs persist in a directory of this test session's, never the user's ~/.cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_ACCEL_CACHE", str(tmp_path_factory.mktemp("hf_accel_cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_plugin_manager(monkeypatch):
     """Each test sees the plugins as installed, unaffected by another test's environment or registrations."""

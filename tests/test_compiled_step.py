@@ -1,4 +1,4 @@
-"""compile="inductor": the decode step of stock generate compiled over a fixed-shape static cache."""
+"""compile="inductor": decode steps whose decoder layers run compiled graphs, one per kind of layer and shape class."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ from conftest import left_padded_batch, make_tiny_model
 
 import hf_accel
 from hf_accel import compiled_step
+from hf_accel.regions import ShapeClass
 from hf_accel_plugins import compile_inductor
+
+#: Compile when a call first needs a shape: these tests are about the compiled graphs, not when to compile.
+AT_ONCE = {"compile": "inductor", "speculative": None, "compile_when": "first_use"}
 
 
 @pytest.fixture(autouse=True)
@@ -28,51 +32,62 @@ def greedy(model, ids, mask=None, n=40):
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
 
 
-def test_compiled_step_is_token_identical_batch_3_and_1_past_the_window(tiny_model):
+def test_compiled_layers_are_token_identical_batch_3_and_1_past_the_window(tiny_model):
     ids, mask = left_padded_batch(tiny_model)  # 7 + 40 tokens: past mistral's and gemma2's window of 16
     expected_batch, expected_single = greedy(tiny_model, ids, mask), greedy(tiny_model, ids[:1], n=30)
-    hf_accel.patch(tiny_model, kv_cache="static", compile="inductor", speculative=None)
+    hf_accel.patch(tiny_model, kv_cache="static", **AT_ONCE)
     assert torch.equal(greedy(tiny_model, ids, mask), expected_batch)
     assert torch.equal(greedy(tiny_model, ids[:1], n=30), expected_single)
     details = compile_details(tiny_model)
-    assert details["failure"] is None and details["graphs_compiled"] >= 2  # one per batch size at least
-    assert details["compiled_steps"] >= 39 + 29 - 2 and details["compile_seconds"] > 0
-    assert details["check_error"] < compiled_step.CHECK_TOLERANCE
+    assert details["failure"] is None and details["misses"] == 0
+    kinds = {shape.split(",")[0] for shape in details["shapes"]}
+    assert len(details["shapes"]) == 2 * len(kinds)  # batch 1 and batch > 1, single tokens, per kind of layer
+    assert all(status.startswith("compiled in") for status in details["shapes"].values())
+    assert details["compiled_steps"] == 39 + 29 - 2  # every decode step but the one that compiled its shape
+    assert details["check_error"] < compiled_step.CHECK_TOLERANCE and details["compile_seconds"] > 0
 
 
-def test_other_prompt_lengths_and_max_new_tokens_do_not_recompile(llama):
-    hf_accel.patch(llama, compile="inductor", speculative=None)
-    ids, _ = left_padded_batch(llama, lengths=(12,))
-    greedy(llama, ids[:, :7], n=20)
+def test_one_graph_serves_every_layer_of_a_kind():
+    model = make_tiny_model("llama")
+    model.config.num_hidden_layers = 4
+    model = type(model)(model.config).eval()  # four identical layers
+    ids = left_padded_batch(model, (9,))[0]
+    expected = greedy(model, ids, n=12)
+    hf_accel.patch(model, **AT_ONCE)
+    assert torch.equal(greedy(model, ids, n=12), expected)
+    assert compile_details(model)["graphs_compiled"] == 1 and compile_details(model)["misses"] == 0
+
+
+def test_new_batch_sizes_prompt_lengths_and_lengths_run_the_graphs_already_compiled(llama):
+    ids, mask = left_padded_batch(llama, (12, 5, 9, 7, 3))
+    expected = {(b, n): greedy(llama, ids[:b], mask[:b], n) for b, n in ((2, 20), (1, 9), (3, 35), (5, 6), (4, 300))}
+    hf_accel.patch(llama, **AT_ONCE)
+    assert torch.equal(greedy(llama, ids[:2], mask[:2], 20), expected[2, 20])  # compiles batch > 1
+    assert torch.equal(greedy(llama, ids[:1], mask[:1], 9), expected[1, 9])  # compiles batch 1
     graphs, steps = compile_details(llama)["graphs_compiled"], compile_details(llama)["compiled_steps"]
-    greedy(llama, ids, n=35)
-    greedy(llama, ids[:, :3], n=5)
-    assert compile_details(llama)["graphs_compiled"] == graphs == 1
-    assert compile_details(llama)["compiled_steps"] == steps + 34 + 4
+    assert graphs == 2
+    for batch, n in ((3, 35), (5, 6), (4, 300)):  # new batch sizes, prompt lengths, and a longer cache (512)
+        assert torch.equal(greedy(llama, ids[:batch], mask[:batch], n), expected[batch, n])
+    details = compile_details(llama)
+    assert details["graphs_compiled"] == graphs and details["misses"] == 0
+    assert details["compiled_steps"] == steps + 34 + 5 + 299
+    assert sorted(llama._hf_accel_state.compiled_step._caches) == [1, 2, 3, 4, 5]
 
 
 def test_the_cache_is_reused_while_it_fits_and_grows_once():
     model = make_tiny_model("llama")
-    ids, _ = left_padded_batch(model, lengths=(10,))
+    ids, _ = left_padded_batch(model, (10,))
     expected = greedy(model, ids, n=60)
-    hf_accel.patch(model, compile="inductor", cache_bucket=32, speculative=None)
+    hf_accel.patch(model, cache_bucket=32, **AT_ONCE)
     step = model._hf_accel_state.compiled_step
     greedy(model, ids, n=12)  # 22 positions: a 32-position cache
-    length, first = step._caches[1, False]
+    length, first = step._caches[1]
     assert length == 32
     greedy(model, ids, n=20)
-    assert step._caches[1, False][1] is first
-    assert torch.equal(greedy(model, ids, n=60), expected)  # 70 positions: grows to 96
-    assert step._caches[1, False][0] == 96 and step._caches[1, False][1] is not first
-
-
-def test_sliding_window_layers_get_a_window_sized_cache():
-    model = make_tiny_model("gemma2")  # alternating sliding (window 16) and full layers
-    hf_accel.patch(model, compile="inductor", speculative=None)
-    greedy(model, left_padded_batch(model)[0][:1], n=30)
-    cache = model._hf_accel_state.compiled_step._caches[1, False][1]
-    sizes = [(layer.is_sliding, layer.max_cache_len) for layer in cache.layers]
-    assert sizes == [(True, 16), (False, 256)]
+    assert step._caches[1][1] is first
+    assert torch.equal(greedy(model, ids, n=60), expected)  # 70 positions: grows to 96, same graph
+    assert step._caches[1][0] == 96 and step._caches[1][1] is not first
+    assert compile_details(model)["graphs_compiled"] == 1
 
 
 def test_a_failed_compile_falls_back_to_eager_with_the_reason(llama, monkeypatch):
@@ -82,33 +97,30 @@ def test_a_failed_compile_falls_back_to_eager_with_the_reason(llama, monkeypatch
     monkeypatch.setattr(compiled_step.CountingBackend, "__call__", no_compiler)
     ids, mask = left_padded_batch(llama)
     expected = greedy(llama, ids, mask, n=10)
-    hf_accel.patch(llama, compile="inductor", speculative=None)
+    hf_accel.patch(llama, **AT_ONCE)
     assert torch.equal(greedy(llama, ids, mask, n=10), expected)
     details = compile_details(llama)
     assert "no C++ compiler found" in details["failure"] and details["compiled_steps"] == 0
     assert details["eager_steps"] == 9
 
 
-def test_a_graph_that_disagrees_with_eager_is_refused(llama):
+def test_a_graph_that_disagrees_with_eager_is_refused(llama, monkeypatch):
+    def off_by_one(self, graph, example_inputs):
+        self.graphs += 1
+        return lambda *inputs: [out + 1.0 if out.is_floating_point() else out for out in graph(*inputs)]
+
+    monkeypatch.setattr(compiled_step.CountingBackend, "__call__", off_by_one)
     ids, mask = left_padded_batch(llama)
     expected = greedy(llama, ids, mask, n=10)
-    hf_accel.patch(llama, compile="inductor", speculative=None)
-    step = llama._hf_accel_state.compiled_step
-    compiled = step.compiled
-
-    def wrong(*args, **kwargs):
-        out = compiled(*args, **kwargs)
-        out.logits = out.logits + 1.0
-        return out
-
-    step.compiled = wrong
+    hf_accel.patch(llama, **AT_ONCE)
     assert torch.equal(greedy(llama, ids, mask, n=10), expected)
-    assert "differ from eager" in compile_details(llama)["failure"]
+    assert "differs from eager" in compile_details(llama)["failure"]
+    assert compile_details(llama)["compiled_steps"] == 0
 
 
 def test_calls_the_step_does_not_serve_run_stock(llama):
     ids, mask = left_padded_batch(llama)
-    hf_accel.patch(llama, compile="inductor", speculative=None)
+    hf_accel.patch(llama, **AT_ONCE)
     expected = llama._hf_accel_state.original_generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
                                                        num_beams=2, do_sample=False)
     out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=2, do_sample=False)
@@ -117,11 +129,30 @@ def test_calls_the_step_does_not_serve_run_stock(llama):
     assert compile_details(llama)["graphs_compiled"] == 0
 
 
-def test_unpatch_removes_the_compiled_call(llama):
-    hf_accel.patch(llama, compile="inductor", speculative=None)
+def test_outside_a_decode_step_the_layers_run_their_own_forward(llama):
+    ids, mask = left_padded_batch(llama)
+    with torch.no_grad():
+        expected = llama(input_ids=ids, attention_mask=mask).logits
+    hf_accel.patch(llama, **AT_ONCE)
+    with torch.no_grad():
+        assert torch.equal(llama(input_ids=ids, attention_mask=mask).logits, expected)
+    assert compile_details(llama)["graphs_compiled"] == 0
+
+
+def test_unpatch_removes_the_compiled_call_and_the_layer_routing(llama):
+    hf_accel.patch(llama, compile="inductor")
     assert "get_compiled_call" in vars(llama)
+    assert all("forward" in vars(layer) for layer in llama.model.layers)
     hf_accel.unpatch(llama)
     assert "get_compiled_call" not in vars(llama) and not hasattr(llama, "_hf_accel_state")
+    assert not any("forward" in vars(layer) for layer in llama.model.layers)
+
+
+def test_a_model_whose_layers_are_wrapped_on_the_instance_is_declined(llama):
+    for layer in llama.model.layers:
+        layer.forward = layer.forward  # what accelerate's hooks do
+    with pytest.raises(hf_accel.BackendUnavailableError, match="wrapped on the instance"):
+        hf_accel.patch(llama, compile="inductor")
 
 
 def test_without_a_compiler_auto_prepacks_and_inductor_says_what_to_install(llama, monkeypatch):
@@ -139,3 +170,72 @@ def test_compile_off_keeps_the_static_cache_eager(llama):
     hf_accel.patch(llama, kv_cache="static", compile=False, speculative=None)
     assert llama._hf_accel_state.compiled_step is None
     assert torch.equal(greedy(llama, ids, mask, n=10), expected)
+
+
+# -- when to compile -----------------------------------------------------------------------------------------
+@pytest.fixture
+def empty_store(tmp_path, monkeypatch):
+    """No shape class compiled on this machine before: the policy's cold estimate applies."""
+    monkeypatch.setenv("HF_ACCEL_CACHE", str(tmp_path))
+
+
+def test_auto_runs_a_first_short_call_eagerly_and_says_why(llama, empty_store):
+    ids, mask = left_padded_batch(llama)
+    expected = greedy(llama, ids, mask, n=12)
+    hf_accel.patch(llama, compile="inductor", speculative=None)
+    assert torch.equal(greedy(llama, ids, mask, n=12), expected)
+    details = compile_details(llama)
+    assert details["when"] == "auto" and details["graphs_compiled"] == 0 and details["eager_steps"] == 11
+    shape = str(ShapeClass("LlamaDecoderLayer", single_row=False, single_token=True))
+    assert details["shapes"][shape].startswith("eager for now: compiling is expected to take ~10.0 s")
+
+
+@pytest.fixture
+def steady_clock(monkeypatch):
+    """Every eager decode step of the compiled step takes 10 ms: each read of its clock is 10 ms later."""
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(compiled_step, "_clock", lambda: next(ticks) * 0.01)
+
+
+def test_auto_compiles_at_the_start_of_a_call_long_enough_to_pay_for_it(llama, empty_store, steady_clock):
+    ids, mask = left_padded_batch(llama, (9,))
+    expected = {n: greedy(llama, ids, mask, n) for n in (9, 6, 300)}
+    hf_accel.patch(llama, compile="inductor", speculative=None)
+    step = llama._hf_accel_state.compiled_step
+    # Compiling costs what 0.6 s of eager decoding loses: more than 14 decode steps, less than 300.
+    step.policy = compiled_step.CompilePolicy(cold_estimate=0.6 * step.policy.saved_fraction)
+    assert torch.equal(greedy(llama, ids, mask, 9), expected[9])  # eager: 8 steps; 0.08 s per 9 tokens
+    assert torch.equal(greedy(llama, ids, mask, 6), expected[6])  # eager: 0.13 s so far + 0.05 s expected
+    assert compile_details(llama)["graphs_compiled"] == 0
+    assert torch.equal(greedy(llama, ids, mask, 300), expected[300])  # 0.13 s + ~2.5 s expected: compiles now
+    details = compile_details(llama)
+    decode_steps = expected[300].shape[1] - ids.shape[1] - 1  # the random model may stop at EOS
+    assert details["graphs_compiled"] == 1 and details["compiled_steps"] == decode_steps - 1  # all but the first
+    status = details["shapes"][str(ShapeClass("LlamaDecoderLayer", single_row=True, single_token=True))]
+    assert status.startswith("compiled in")
+
+
+def test_auto_compiles_once_eager_calls_have_cost_as_much_as_compiling(llama, empty_store, steady_clock):
+    ids, mask = left_padded_batch(llama, (9,))
+    expected = greedy(llama, ids, mask, 20)
+    hf_accel.patch(llama, compile="inductor", speculative=None)
+    step = llama._hf_accel_state.compiled_step
+    step.policy = compiled_step.CompilePolicy(cold_estimate=0.05 * step.policy.saved_fraction)
+    assert torch.equal(greedy(llama, ids, mask, 20), expected)  # the first call: nothing known per token
+    details = compile_details(llama)
+    # Five eager steps (0.05 s) pay for it; the sixth compiles (and runs eagerly); the other 13 run compiled.
+    assert details["graphs_compiled"] == 1 and details["eager_steps"] == 6 and details["compiled_steps"] == 13
+    # Waiting cost five steps (0.05 s) and the compiling step's own reads (0.03 s) less its compile (0.01 s).
+    assert details["eager_seconds"] == pytest.approx(0.07) and details["compile_seconds"] == pytest.approx(0.01)
+
+
+def test_the_policy_weighs_eager_time_lost_against_the_compile_estimate():
+    from hf_accel.compile_policy import CompilePolicy
+
+    policy = CompilePolicy(saved_fraction=0.2)
+    assert not policy.decide((5.0, "cold"), eager_seconds=10.0).compile  # lost 2 s < 5 s
+    assert policy.decide((5.0, "cold"), eager_seconds=10.0, call_remaining=15.0).compile  # lost 5 s
+    assert "lost ~2.0 s so far" in policy.decide((5.0, "cold"), eager_seconds=10.0).reason
+    assert CompilePolicy(when="first_use").decide((500.0, "cold"), eager_seconds=0).compile
+    with pytest.raises(ValueError, match="compile_when='soon' is not one of 'auto', 'first_use'"):
+        CompilePolicy(when="soon")

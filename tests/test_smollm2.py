@@ -33,16 +33,31 @@ def test_patched_greedy_output_equals_stock_on_every_shipped_prompt(smollm2):
     model, tokenizer = smollm2
     inputs = [encode_chat(tokenizer, p.prompt) for p in load_prompts()]
     expected = [greedy(model, x, 64) for x in inputs]
-    hf_accel.patch(model)
+    hf_accel.patch(model, compile_when="first_use")  # the defaults, compiling at once rather than once it pays
     try:
         for x, want in zip(inputs, expected):
             assert torch.equal(greedy(model, x, 64), want)
-        speculative = hf_accel.report(model)["speculative"]
-        details = speculative.details
-        assert speculative.backend == "ngram_self_int4"  # auto: the int4 copy, extended by prompt lookup
+        report = hf_accel.report(model)
+        details = report["speculative"].details
+        assert report["speculative"].backend == "ngram_self_int4"  # auto: the int4 copy, extended by prompt lookup
         assert details["accepted"] > 0 and details["fallbacks_to_stock"] == 0
-        for role in ("target", "draft"):  # both ran compiled, every graph checked against eager
-            assert details["compiled"][role]["compiled_steps"] > 0 and details["compiled"][role]["failure"] is None
+        # both the target and its draft ran compiled layers, every graph checked against eager, none missed
+        for compiled in (report["compile"].details, details["compiled"]["draft"]):
+            assert compiled["compiled_steps"] > 0 and compiled["failure"] is None and compiled["misses"] == 0
+    finally:
+        hf_accel.unpatch(model)
+
+
+def test_the_default_patch_runs_its_first_calls_eagerly_and_identically(smollm2):
+    model, tokenizer = smollm2
+    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()[:2]]
+    expected = [greedy(model, x, 48) for x in inputs]
+    hf_accel.patch(model)
+    try:
+        for x, want in zip(inputs, expected):
+            assert torch.equal(greedy(model, x, 48), want)
+        compiled = hf_accel.report(model)["compile"].details
+        assert compiled["when"] == "auto" and compiled["compile_seconds"] < 5  # a cache hit at most
     finally:
         hf_accel.unpatch(model)
 
@@ -72,9 +87,7 @@ def test_the_example_script_runs():
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "examples" / "one_line_patch.py"
-    # Without the compile plugins: compiling costs this one 48-token call a minute or more, and the test above
-    # already runs the default patch compiled.
-    env = {**os.environ, "HF_ACCEL_DISABLE_PLUGINS": "compile_inductor,compile_onednn"}
+    env = dict(os.environ)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "hf_accel report" in result.stdout
@@ -96,7 +109,7 @@ def test_compiled_decode_step_equals_stock_and_does_not_recompile(smollm2):
     model, tokenizer = smollm2
     inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()]
     expected = [greedy(model, x, 40 + 8 * i) for i, x in enumerate(inputs)]
-    hf_accel.patch(model, kv_cache="static", compile="inductor", speculative=None)
+    hf_accel.patch(model, kv_cache="static", compile="inductor", speculative=None, compile_when="first_use")
     try:
         longest = max(range(len(inputs)), key=lambda i: inputs[i]["input_ids"].shape[1] + 8 * i)
         greedy(model, inputs[longest], 40 + 8 * longest)  # sizes the cache: later calls fit in it
@@ -104,7 +117,7 @@ def test_compiled_decode_step_equals_stock_and_does_not_recompile(smollm2):
         graphs = details["graphs_compiled"]
         for i, (x, want) in enumerate(zip(inputs, expected)):  # other prompt lengths and max_new_tokens
             assert torch.equal(greedy(model, x, 40 + 8 * i), want)
-        assert details["failure"] is None and details["graphs_compiled"] == graphs >= 1
+        assert details["failure"] is None and details["graphs_compiled"] == graphs >= 1 and details["misses"] == 0
         assert details["check_error"] < 1e-4 and details["compile_seconds"] > 0
     finally:
         hf_accel.unpatch(model)
@@ -123,3 +136,16 @@ def test_int4_with_embeddings_and_head_meets_its_memory_and_quality_targets(smol
         assert perplexity(model, tokenizer) <= 1.10 * fp32
     finally:
         hf_accel.unpatch(model)
+
+
+def test_a_cold_bench_run_reports_its_timings_and_tokens():
+    """One fresh process of ``hf-accel bench --cold``: the user's script, patched, timed from the inside."""
+    from hf_accel.bench_cold import _run_worker
+    from hf_accel.models import default_model_file
+
+    gguf = default_model_file()
+    spec = {"model_dir": str(gguf.parent), "gguf_file": gguf.name, "prompt": "Say hello.", "max_new_tokens": 6,
+            "patch": {}}
+    result = _run_worker(spec, {})
+    assert result["tokens"] == len(result["token_ids"]) and 1 <= result["tokens"] <= 6
+    assert result["patch_s"] > 0 and 0 < result["ttft_s"] <= result["generate_s"] < result["in_process_s"]

@@ -19,7 +19,14 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+#: Compile when a call first needs a shape: these tests are about the compiled loop, not when to compile.
+AT_ONCE = {"compile": "inductor", "compile_when": "first_use"}
+
+
 def compiled(model, role="target") -> dict:
+    """The target runs the patch's compiled step (the compile report); a draft model a step of its own."""
+    if role == "target":
+        return hf_accel.report(model)["compile"].details
     return hf_accel.report(model)["speculative"].details["compiled"][role]
 
 
@@ -47,19 +54,19 @@ def test_compiled_loop_is_token_identical_with_per_row_rollback_and_eos(tiny_mod
     tiny_model.generation_config.eos_token_id = eos
     expected = greedy(tiny_model, ids, mask, max_new_tokens=40)
     drafter = lambda model, config: ScriptedDrafter(reference, ids.shape[1])
-    hf_accel.patch(tiny_model, compile="inductor", speculative="test_drafter", plugins=[drafter_plugin(drafter)])
+    hf_accel.patch(tiny_model, speculative="test_drafter", plugins=[drafter_plugin(drafter)], **AT_ONCE)
     assert torch.equal(greedy(tiny_model, ids, mask, max_new_tokens=40), expected)
     details = hf_accel.report(tiny_model)["speculative"].details
     assert 0 < details["accepted"] < details["drafted"]
     target = compiled(tiny_model)
-    assert target["failure"] is None and target["compiled_steps"] > 0
+    assert target["failure"] is None and target["compiled_steps"] > 0 and target["misses"] == 0
     assert target["check_error"] < 1e-3
 
 
 def test_later_calls_reuse_the_compiled_graphs(llama):
     ids, _ = left_padded_batch(llama, (30,))
     expected = [greedy(llama, ids[:, :n], torch.ones_like(ids[:, :n]), max_new_tokens=24) for n in (30, 12)]
-    hf_accel.patch(llama, compile="inductor", speculative="ngram")
+    hf_accel.patch(llama, speculative="ngram", **AT_ONCE)
     assert torch.equal(greedy(llama, ids, torch.ones_like(ids), max_new_tokens=24), expected[0])
     graphs = compiled(llama)["graphs_compiled"]
     assert graphs <= 2  # one graph for single tokens, one for every wider chunk
@@ -73,7 +80,7 @@ def test_a_compiled_int4_self_draft_is_token_identical(arch):
     model = make_tiny_model(arch)
     ids, mask = left_padded_batch(model)
     expected = greedy(model, ids, mask, max_new_tokens=30)
-    hf_accel.patch(model, compile="inductor", speculative="ngram_self_int4")
+    hf_accel.patch(model, speculative="ngram_self_int4", **AT_ONCE)
     assert torch.equal(greedy(model, ids, mask, max_new_tokens=30), expected)
     draft = compiled(model, "draft")
     assert draft["failure"] is None and draft["compiled_steps"] > 0
@@ -91,7 +98,7 @@ def test_without_compile_the_loop_runs_eagerly_over_the_patch_cache(llama):
 def test_a_compiled_draft_model_is_token_identical(llama):
     ids, mask = left_padded_batch(llama)
     expected = greedy(llama, ids, mask, max_new_tokens=30)
-    hf_accel.patch(llama, compile="inductor", speculative=make_tiny_model("llama", seed=1))
+    hf_accel.patch(llama, speculative=make_tiny_model("llama", seed=1), **AT_ONCE)
     assert torch.equal(greedy(llama, ids, mask, max_new_tokens=30), expected)
     draft = compiled(llama, "draft")  # reads the prompt itself and catches up rows of different lengths
     assert draft["failure"] is None and draft["compiled_steps"] > 0

@@ -1,0 +1,261 @@
+"""Compiled decode-step graphs kept between processes, under a directory the user can set and clear.
+
+hf_accel compiles its decoder-layer graphs with inductor's cache directory pointed at ``compile/inductor``
+inside the store, for the duration of its own compiles only, so that everything those compiles produce
+(generated code, compiled kernels, AOTAutograd graphs, keyed by torch itself) lives, and is cleared, in one
+place, and a later process compiling the same shape class hits that cache: ~0.5-3 s instead of ~4-15 s on
+a 2-core CPU. Beside it an index records each compiled shape class with its measured compile times, which
+the compile policy uses to expect a cache hit.
+
+Index entries are keyed by a fingerprint of what the graph depends on: the model and layer classes, the
+layer's parameter shapes and module types (prepacked or quantized Linears), the text config, dtype, device,
+the attention implementation and the compile settings. Weights are graph inputs, so one entry serves every
+checkpoint of an architecture. Everything is validated when read: an entry written by other versions of
+torch, transformers or hf_accel is stale, one whose recorded fingerprint is not the model's is foreign, and
+an unreadable index is corrupt. Each is discarded with a log line, never used; a compile that fails inside
+the store is retried once in an emptied one. Whatever the store holds, every graph is checked against the
+eager layer before a call uses it.
+
+Location: ``HF_ACCEL_CACHE``, else ``$XDG_CACHE_HOME/hf_accel``, else ``~/.cache/hf_accel``; ``compile/``
+inside it. ``hf-accel cache info`` shows it, ``hf-accel cache clear`` empties it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+
+
+def default_cache_dir() -> Path:
+    """``HF_ACCEL_CACHE``, else ``$XDG_CACHE_HOME/hf_accel``, else ``~/.cache/hf_accel``."""
+    if os.environ.get("HF_ACCEL_CACHE"):
+        return Path(os.environ["HF_ACCEL_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hf_accel"
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    from . import __version__
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "hf_accel": __version__}
+
+
+def fingerprint(model: nn.Module, layer: nn.Module, kind: str, **settings: Any) -> dict[str, Any]:
+    """What a compiled decoder layer depends on, versions apart (see :func:`versions`)."""
+    config = model.config.get_text_config(decoder=True).to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype"):
+        config.pop(volatile, None)
+    structure = [[name, type(module).__name__] for name, module in layer.named_modules()]
+    tensors = [[name, list(t.shape), str(t.dtype)] for name, t in (*layer.named_parameters(), *layer.named_buffers())]
+    param = next(layer.parameters(), None)
+    linears = sorted({type(m).__name__ for m in layer.modules() if "Linear" in type(m).__name__})
+    return {
+        "model": type(model).__name__, "kind": kind, "linears": linears,
+        "device": param.device.type if param is not None else "cpu",
+        "attention": getattr(model.config, "_attn_implementation", None),
+        "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16],
+        "layer": hashlib.sha256(json.dumps([structure, tensors]).encode()).hexdigest()[:16],
+        "settings": {k: v for k, v in sorted(settings.items())},
+    }
+
+
+@dataclass(frozen=True)
+class StoreEntry:
+    key: str
+    model: str
+    shape: str
+    cold_seconds: float | None
+    warm_seconds: float | None
+    created: str
+
+
+class CompileStore:
+    """The compile cache in ``directory`` (see the module docs).
+
+    Example::
+
+        store = CompileStore(default_cache_dir())
+        with store.compiling():                              # inductor's cache is the store's
+            compiled(...)
+        store.record(fingerprint, shape, seconds, warm=False)
+        store.estimate(fingerprint, shape)                   # in a later process: seconds, or None
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+        self.root = Path(directory) if directory is not None else default_cache_dir()
+        self.directory = self.root / "compile"
+        self.inductor_directory = self.directory / "inductor"
+        self._read_once = False
+
+    def __repr__(self) -> str:
+        return f"<CompileStore {self.directory}>"
+
+    # -- for the compiled step ------------------------------------------------------------------------------
+    def estimate(self, fp: dict[str, Any], shape: Any) -> float | None:
+        """Seconds compiling ``shape`` is expected to take, if this store has compiled it; else None."""
+        from .compile_policy import WARM_COMPILE_SECONDS
+
+        key = _key(fp, shape)
+        entry = self._entries().get(key)
+        if entry is None or not self._valid(entry, fp, key):
+            return None
+        return entry.get("warm_seconds") or WARM_COMPILE_SECONDS
+
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
+        """Inductor's cache directory is this store's while a compile runs, and what it was afterwards."""
+        self.inductor_directory.mkdir(parents=True, exist_ok=True)
+        previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.inductor_directory)
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+    def record(self, fp: dict[str, Any], shape: Any, seconds: float, warm: bool) -> None:
+        """Keep a compiled shape class and how long compiling it took (``warm``: the store already had it)."""
+        key = _key(fp, shape)
+        try:
+            with self._locked_index() as index:
+                entry = index["entries"].get(key, {})
+                entry.update(fingerprint=fp, versions=versions(), shape=str(shape),
+                             created=entry.get("created", _now()))
+                entry["warm_seconds" if warm else "cold_seconds"] = round(seconds, 3)
+                index["entries"][key] = entry
+        except OSError as exc:  # a read-only or full disk costs the next process a compile, nothing more
+            logger.warning("hf_accel: could not write the compile cache index in %s: %s", self.directory, exc)
+
+    def reset(self, why: str) -> None:
+        """Empty the store (its compiled code could not be used), with a log line saying why."""
+        logger.warning("hf_accel: emptying the compile cache %s: %s", self.directory, why)
+        self.clear()
+
+    # -- for the CLI -------------------------------------------------------------------------------------
+    def entries(self) -> list[StoreEntry]:
+        return [StoreEntry(key, _model_label(e.get("fingerprint", {})), e.get("shape", "?"),
+                           e.get("cold_seconds"), e.get("warm_seconds"), e.get("created", "?"))
+                for key, e in sorted(self._entries().items(), key=lambda kv: kv[1].get("created", ""))]
+
+    def size_bytes(self) -> int:
+        if not self.directory.is_dir():
+            return 0
+        return sum(p.stat().st_size for p in self.directory.rglob("*") if p.is_file())
+
+    def clear(self) -> int:
+        """Delete every stored entry and the compiled code; the bytes freed."""
+        size = self.size_bytes()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        return size
+
+    # -- the index ---------------------------------------------------------------------------------------
+    def _entries(self) -> dict[str, dict[str, Any]]:
+        path = self.directory / "index.json"
+        if not path.is_file():
+            return {}
+        try:
+            index = json.loads(path.read_text())
+            if not _well_formed(index):
+                raise ValueError(f"not a format-{FORMAT} index")
+        except (OSError, ValueError) as exc:
+            logger.warning("hf_accel: discarding the compile cache index %s, which is unreadable (%s)", path, exc)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return {}
+        if not self._read_once:
+            self._read_once = True
+            self._drop_stale(index["entries"])
+        return index["entries"]
+
+    def _drop_stale(self, entries: dict[str, dict[str, Any]]) -> None:
+        current = versions()
+        for key, entry in list(entries.items()):
+            if entry.get("versions") != current:
+                written = _describe(entry.get("versions"))
+                self._discard(key, f"it was written by {written}, this is {_describe(current)}", level=logging.INFO)
+                entries.pop(key)
+                if (entry.get("versions") or {}).get("torch") != current["torch"]:  # its compiled code is useless now
+                    shutil.rmtree(self.inductor_directory, ignore_errors=True)
+
+    def _valid(self, entry: dict[str, Any], fp: dict[str, Any], key: str) -> bool:
+        if entry.get("versions") != versions():
+            self._discard(key, "it was written by other versions", level=logging.INFO)
+            return False
+        if entry.get("fingerprint") != fp:
+            self._discard(key, f"it records another model ({entry.get('fingerprint', {}).get('model', '?')}) under "
+                               "this model's key")
+            return False
+        if not self.inductor_directory.is_dir():
+            self._discard(key, "its compiled code is gone")
+            return False
+        return True
+
+    def _discard(self, key: str, why: str, level: int = logging.WARNING) -> None:
+        logger.log(level, "hf_accel: discarding compile cache entry %s: %s", key, why)
+        with contextlib.suppress(OSError), self._locked_index() as index:
+            index["entries"].pop(key, None)
+
+    @contextlib.contextmanager
+    def _locked_index(self) -> Iterator[dict[str, Any]]:
+        """The index, read and rewritten under a lock (several processes may compile at once)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / "index.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            path = self.directory / "index.json"
+            try:
+                index = json.loads(path.read_text()) if path.is_file() else None
+            except ValueError:
+                index = None
+            if not _well_formed(index):
+                index = {"format": FORMAT, "entries": {}}
+            yield index
+            _write_atomic(path, json.dumps(index, indent=1).encode())
+
+
+def _well_formed(index: Any) -> bool:
+    return isinstance(index, dict) and index.get("format") == FORMAT and isinstance(index.get("entries"), dict)
+
+
+def _model_label(fp: dict[str, Any]) -> str:
+    linears = fp.get("linears")
+    return f"{fp.get('model', '?')} ({', '.join(linears)})" if linears else str(fp.get("model", "?"))
+
+
+def _key(fp: dict[str, Any], shape: Any) -> str:
+    return hashlib.sha256(json.dumps([fp, str(shape)], sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _describe(v: Any) -> str:
+    if not isinstance(v, dict):
+        return "an unknown version"
+    return ", ".join(f"{k} {v.get(k)}" for k in ("torch", "transformers", "hf_accel"))
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")

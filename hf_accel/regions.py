@@ -1,0 +1,231 @@
+"""Decoder layers as compile regions: one graph per kind of layer and shape class, shared by every layer.
+
+A causal LM repeats one decoder block (``LlamaDecoderLayer`` x 30 in SmolLM2). Compiling the model's whole
+forward traces every layer: on a 2-core CPU ~35 s per graph with inductor's on-disk cache warm, ~90 s cold.
+Compiling one layer's code and running that graph for each layer of the same kind costs one layer's
+tracing (~0.5 s warm, ~4-13 s cold), and with the batch size, chunk width and cache length left dynamic, one
+graph serves every later call.
+
+Each layer gets an instance-level ``forward`` (:func:`routed_forward`) that runs the class's own forward,
+unless a :class:`RegionRun` is active in this context (a compiled decode step is running): then the run
+decides per layer between the compiled graph and the eager forward.
+
+The graph never sees the model's cache object: it gets one layer of it, behind :class:`LayerCacheView`, so
+no layer index is specialized and every layer of a kind matches the same guards.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+
+#: The compiled step whose layers run through regions in this context (thread, task), or None.
+ACTIVE_RUN: contextvars.ContextVar[Any] = contextvars.ContextVar("hf_accel_region_run", default=None)
+
+
+@dataclass(frozen=True)
+class Region:
+    """One decoder layer: the module, its slot in the KV cache, and the kind of layer it is."""
+
+    layer: nn.Module
+    cache_index: int
+    kind: str  # layers of one kind share graphs: the class name, plus the layer type where the config has one
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    """What a graph is specialized on besides the kind of layer: a batch or chunk of one, or more (sizes of
+    one are always specialized by dynamo; larger ones are dynamic)."""
+
+    kind: str
+    single_row: bool
+    single_token: bool
+
+    def __str__(self) -> str:
+        rows = "batch 1" if self.single_row else "batch > 1"
+        tokens = "1 token" if self.single_token else "chunks"
+        return f"{self.kind}, {rows}, {tokens}"
+
+
+def decoder_layers(model: nn.Module) -> list[Region]:
+    """The model's repeated decoder layers: the longest ``nn.ModuleList`` whose children share one class.
+
+    :raises ValueError: the model has no such list (nothing to compile regionally).
+    """
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no list of repeated layers to compile one at a time")
+    layers = max(lists, key=len)
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config(decoder=True) if config is not None else None
+    layer_types = getattr(text_config, "layer_types", None)
+    regions = []
+    for position, layer in enumerate(layers):
+        index = _cache_index(layer, position)
+        kind = type(layer).__name__
+        if layer_types and index < len(layer_types):
+            kind += f"/{layer_types[index]}"
+        regions.append(Region(layer, index, kind))
+    return regions
+
+
+def _cache_index(layer: nn.Module, default: int) -> int:
+    """The layer's slot in the KV cache: the ``layer_idx`` transformers gives the layer or its attention."""
+    for module in layer.modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int):
+            return index
+    return default
+
+
+class RegionRun:
+    """One decode step of a compiled step (``ACTIVE_RUN`` while it runs): which layers are its, and whether
+    any of them ran eagerly because its shape class has no graph yet."""
+
+    def __init__(self, step: Any) -> None:
+        self.step = step
+        self.compiled_layers = 0
+        self.eager_layers = 0
+        self.waiting = False  # a layer ran eagerly because its shape class is not compiled (yet)
+
+    def region_of(self, layer: nn.Module) -> Region | None:
+        return self.step.regions.get(id(layer))
+
+    def forward(self, region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.step.layer_forward(self, region, args, kwargs)
+
+
+def route(layer: nn.Module) -> Callable[..., Any]:
+    """The instance-level ``forward`` that lets a running compiled step take the layer over."""
+    return types.MethodType(routed_forward, layer)
+
+
+def routed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A decoder layer's forward on a patched model: the class's forward, or the active run's choice.
+
+    A module-level function bound to the layer, so ``copy.deepcopy`` of a model binds it to the copy."""
+    run = ACTIVE_RUN.get()
+    if run is not None:
+        region = run.region_of(layer)
+        if region is not None:
+            return run.forward(region, args, kwargs)
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+class LayerCacheView:
+    """One layer of a static KV cache, standing in for the whole cache inside a compiled layer.
+
+    transformers' attention calls ``cache.update(keys, values, self.layer_idx, ...)``; the view ignores the
+    index (it holds the layer already), so the graph does not specialize on it."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self, layer_idx: int = 0) -> Any:
+        return self.layer.get_seq_length()
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def cache_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | str, Cache] | None:
+    """Where a layer call holds the model's KV cache, found by type rather than by name: a position (GPT-2
+    passes it second) or a keyword (``past_key_values``, or ``cache`` from transformers 5.24)."""
+    for slot, value in (*enumerate(args), *kwargs.items()):
+        if isinstance(value, Cache):
+            return slot, value
+    return None
+
+
+Arguments = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def without_cache(args: tuple[Any, ...], kwargs: dict[str, Any], slot: int | str) -> Arguments:
+    """The call's arguments with the cache left out (a ``None`` in its place if it was positional)."""
+    if isinstance(slot, int):
+        return (*args[:slot], None, *args[slot + 1:]), kwargs
+    return args, {name: value for name, value in kwargs.items() if name != slot}
+
+
+def with_cache(args: tuple[Any, ...], kwargs: dict[str, Any], slot: int | str, cache: Any) -> Arguments:
+    """The call's arguments with ``cache`` put back where the model's cache was."""
+    if isinstance(slot, int):
+        return (*args[:slot], cache, *args[slot + 1:]), kwargs
+    return args, {**kwargs, slot: cache}
+
+
+def hidden_states_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """A decoder layer's input, ``[batch, tokens, hidden]``: its first argument."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        raise TypeError("a decoder layer was called without [batch, tokens, hidden] hidden states first")
+    return hidden
+
+
+def shape_class(region: Region, hidden: torch.Tensor) -> ShapeClass:
+    return ShapeClass(region.kind, hidden.shape[0] == 1, hidden.shape[1] == 1)
+
+
+def side_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], layer_cache: Any,
+                cache_length: int) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """Copies of a layer call's inputs for compiling on the side (the real call runs eagerly), with the batch,
+    chunk-width and cache-length dimensions marked dynamic so that one graph serves every size.
+
+    Dimensions are told apart by position, not only size: a layer's inputs are ``[batch, ...]`` with the chunk
+    width or the cache length further on (hidden states, position ids, rotary tables, the 4-D mask), and the
+    cache's keys and values are ``[batch, heads, length, dim]``, whose heads may equal the batch size."""
+    batch, width = hidden_states_of(args, kwargs).shape[:2]
+
+    def mark(tensor: torch.Tensor, dims: Iterator[int]) -> torch.Tensor:
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return tensor
+
+    def dynamic_dims(shape: torch.Size) -> Iterator[int]:
+        for dim, size in enumerate(shape):
+            if dim == 0 and len(shape) > 1:
+                if size == batch and batch > 1:
+                    yield dim
+            elif size == cache_length or (size == width and width > 1):
+                yield dim
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return mark(value.clone(), dynamic_dims(value.shape))
+        if isinstance(value, (tuple, list)):
+            return type(value)(copy(v) for v in value)
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        return value
+
+    def copy_cache_tensor(value: torch.Tensor) -> torch.Tensor:
+        if value.dim() != 4:
+            return value.clone()
+        return mark(value.clone(), [0, 2] if batch > 1 else [2])
+
+    scratch = object.__new__(type(layer_cache))
+    scratch.__dict__.update({name: copy_cache_tensor(value) if isinstance(value, torch.Tensor) else value
+                             for name, value in vars(layer_cache).items()})
+    return copy(args), copy(kwargs), scratch
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) layer output."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors_in(item)
+    elif hasattr(value, "to_tuple"):  # a ModelOutput
+        yield from tensors_in(value.to_tuple())

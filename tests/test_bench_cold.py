@@ -1,0 +1,57 @@
+"""``hf-accel bench --cold``: the break-even fit, identity to stock, the tables, bad arguments.
+(One real fresh-process run is in the slow SmolLM2 group.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hf_accel import bench_cold, cli
+from hf_accel.bench_cold import ColdRun, break_even, format_break_even, format_cold_table
+
+
+def runs(config: str, fixed: float, per_token: float, caches: str = "cold", lengths=(32, 128, 512),
+         tokens=None) -> list[ColdRun]:
+    """Runs whose processes take ``fixed`` seconds besides ``per_token`` seconds per generated token."""
+    made = tokens or {n: n for n in lengths}
+    return [ColdRun(caches, config, n, made[n], total_s=fixed + per_token * made[n], import_s=2.0, load_s=15.0,
+                    patch_s=0.0 if config == "stock" else 2.5, generate_s=0.4 + per_token * made[n], ttft_s=0.1,
+                    token_ids=list(range(made[n])))
+            for n in lengths]
+
+
+def test_break_even_is_where_the_fixed_cost_is_paid_back_by_faster_tokens():
+    rows = runs("stock", 20.0, 0.06) + runs("patch(model)", 23.0, 0.02)
+    assert break_even(rows, "patch(model)", "cold") == pytest.approx(75.0)  # 3 s / 0.04 s per token
+
+
+def test_break_even_counts_tokens_made_not_asked_for():
+    made = {32: 32, 128: 128, 512: 300}  # the answer ended at EOS after 300 tokens
+    rows = runs("stock", 20.0, 0.06, tokens=made) + runs("patch(model)", 23.0, 0.02, tokens=made)
+    assert break_even(rows, "patch(model)", "cold") == pytest.approx(75.0)
+
+
+def test_break_even_from_the_first_token_never_or_unknown():
+    stock = runs("stock", 20.0, 0.06)
+    assert break_even(stock + runs("a", 19.0, 0.03), "a", "cold") == 0.0
+    assert math.isinf(break_even(stock + runs("b", 21.0, 0.07), "b", "cold"))
+    assert break_even(stock + runs("c", 21.0, 0.01, lengths=(128,)), "c", "cold") is None  # one length: no fit
+    table = format_break_even(stock + runs("a", 19.0, 0.03) + runs("b", 21.0, 0.07))
+    assert "| cold   | a      | from the first token" in table and "| cold   | b      | never" in table
+
+
+def test_runs_are_compared_with_stock_tokens_of_the_same_caches_and_length():
+    rows = runs("stock", 20.0, 0.06) + runs("patch(model)", 23.0, 0.02)
+    rows[-1].token_ids = [7]  # the 512-token patched run made other tokens
+    bench_cold._mark_identity(rows)
+    assert [r.identical for r in rows] == [None, None, None, True, True, False]
+    table = format_cold_table(rows)
+    assert "| cold   | patch(model) | 512     | 512    | 33.2    | 0.66x    |" in table and "NO" in table
+
+
+@pytest.mark.parametrize("lengths, message", [("128", "at least two lengths"), ("32,lots", "comma-separated"),
+                                              ("0,32", "at least 1")])
+def test_bad_lengths_are_refused_before_any_process_starts(lengths, message, capsys):
+    assert cli.main(["bench", "--cold", "--lengths", lengths]) == 2
+    assert message in capsys.readouterr().err
