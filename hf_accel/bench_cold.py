@@ -9,6 +9,10 @@ system's file cache is warm in both (the model file and Python's bytecode are re
 
 The break-even length is where the patched script's total time meets stock's, from a straight line per
 configuration: seconds per token fitted to its generate calls, plus the rest of the process as a fixed cost.
+
+Then a long-running process (:func:`run_calls_bench`): calls with new batch sizes, prompt lengths and
+``max_new_tokens`` one after another, stock and then patched in the same process, each call timed against
+stock's same call; once with empty caches, once with the caches that run filled.
 """
 
 from __future__ import annotations
@@ -71,6 +75,53 @@ def run_cold_bench(model_dir: str, gguf_file: str | None, prompt: str, lengths: 
                         progress(f"{caches} caches: {config.name}, {n} tokens")
     _mark_identity(runs)
     return runs
+
+
+#: The long-running process: ``(max_new_tokens, prompt indices)`` per call, one prompt per row. After two
+#: single-row calls come a new batch size, a longer prompt, another batch size and length, and a call
+#: long enough to need a bigger cache.
+DEFAULT_CALLS: tuple[tuple[int, tuple[int, ...]], ...] = (
+    (128, (0,)), (128, (2,)), (48, (1, 3, 5)), (64, (4,)), (200, (6, 7)), (512, (0,)))
+
+
+@dataclass
+class CallPair:
+    caches: str
+    call: int
+    batch: int
+    prompt_tokens: int
+    max_new_tokens: int
+    stock_s: float
+    patched_s: float
+    identical: bool
+
+
+def run_calls_bench(model_dir: str, gguf_file: str | None, prompts: list[str], patch: dict[str, Any],
+                    calls: tuple[tuple[int, tuple[int, ...]], ...] = DEFAULT_CALLS,
+                    progress: Callable[[str], None] | None = None) -> list[CallPair]:
+    """The calls one after another in one process, stock then patched, with empty then warm caches."""
+    spec = {"model_dir": model_dir, "gguf_file": gguf_file, "patch": patch,
+            "calls": [[n, [prompts[i % len(prompts)] for i in rows]] for n, rows in calls]}
+    pairs = []
+    with tempfile.TemporaryDirectory(prefix="hf_accel_calls_") as scratch:
+        dirs = _cache_dirs(Path(scratch))
+        for caches in ("cold", "warm"):  # the cold run fills the caches the warm run finds
+            result = _run_worker(spec, dirs)
+            for i, (stock, patched) in enumerate(zip(result["stock"], result["patched"]), start=1):
+                pairs.append(CallPair(caches, i, stock["batch"], stock["prompt_tokens"], stock["max_new_tokens"],
+                                      stock["seconds"], patched["seconds"], stock["token_ids"] == patched["token_ids"]))
+            if progress:
+                progress(f"calls in one process, {caches} caches")
+    return pairs
+
+
+def format_calls_table(pairs: list[CallPair]) -> str:
+    lines = [("caches", "call", "batch", "prompt tokens", "max new", "stock s", "patched s", "patched - stock s",
+              "identical")]
+    lines += [(p.caches, str(p.call), str(p.batch), str(p.prompt_tokens), str(p.max_new_tokens), f"{p.stock_s:.1f}",
+               f"{p.patched_s:.1f}", f"{p.patched_s - p.stock_s:+.1f}", "yes" if p.identical else "NO")
+              for p in pairs]
+    return _markdown(lines)
 
 
 def _cache_dirs(root: Path) -> dict[str, str]:
@@ -167,5 +218,6 @@ def _markdown(lines: list[tuple[str, ...]]) -> str:
     return "\n".join(out)
 
 
-def write_cold_json(runs: list[ColdRun], path: str | Path) -> None:
-    Path(path).write_text(json.dumps([asdict(r) for r in runs], indent=1))
+def write_cold_json(runs: list[ColdRun], pairs: list[CallPair], path: str | Path) -> None:
+    Path(path).write_text(json.dumps({"runs": [asdict(r) for r in runs], "calls": [asdict(p) for p in pairs]},
+                                     indent=1))

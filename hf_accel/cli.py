@@ -213,7 +213,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_cold(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from .bench_cold import ColdConfig, format_break_even, format_cold_table, run_cold_bench, write_cold_json
+    from .bench_cold import (ColdConfig, format_break_even, format_calls_table, format_cold_table, run_calls_bench,
+                             run_cold_bench, write_cold_json)
 
     try:
         lengths = [int(n) for n in args.lengths.split(",")]
@@ -229,19 +230,22 @@ def _bench_cold(args: argparse.Namespace) -> int:
     else:
         path = Path(args.model)
         model_dir, gguf_file = (str(path.parent), path.name) if path.suffix == ".gguf" else (str(path), args.gguf_file)
-    prompt = load_prompts(args.prompts)[0]
-    runs_total = len(configs) * (1 + 2 * len(lengths))
-    bar = tqdm(total=runs_total, desc="bench --cold", unit="process")
+    prompts = load_prompts(args.prompts)
+    bar = tqdm(total=len(configs) * (1 + 2 * len(lengths)) + 2, desc="bench --cold", unit="process")
 
     def progress(label: str) -> None:
         bar.set_postfix_str(label[:60])
         bar.update(1)
 
-    runs = run_cold_bench(model_dir, gguf_file, prompt.prompt, lengths, configs, progress)
+    runs = run_cold_bench(model_dir, gguf_file, prompts[0].prompt, lengths, configs, progress)
+    pairs = run_calls_bench(model_dir, gguf_file, [p.prompt for p in prompts], configs[1].patch, progress=progress)
     bar.close()
-    print(f"\nprompt: {prompt.category}:{prompt.name}\n\n{format_cold_table(runs)}\n\n{format_break_even(runs)}")
+    print(f"\nA short script, in fresh processes (prompt {prompts[0].category}:{prompts[0].name}):\n\n"
+          f"{format_cold_table(runs)}\n\n{format_break_even(runs)}\n\n"
+          f"Calls with new shapes in one long-running process, stock then {configs[1].name}:\n\n"
+          f"{format_calls_table(pairs)}")
     if args.json:
-        write_cold_json(runs, args.json)
+        write_cold_json(runs, pairs, args.json)
     return 0
 
 

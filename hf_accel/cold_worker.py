@@ -4,6 +4,10 @@ Run as a file, not a module (``python cold_worker.py SPEC``), so that a stock ru
 hf_accel: it loads the model, optionally patches it with one line, generates once from a chat prompt,
 and prints its timings as one JSON line. ``SPEC`` is a JSON object: ``model_dir``, ``gguf_file``, ``prompt``,
 ``max_new_tokens``, and ``patch`` (``null`` for stock, else the ``patch()`` keyword arguments).
+
+With ``"calls"`` in ``SPEC`` (a list of ``[max_new_tokens, [prompt, ...]]``, one prompt per row) it is a
+long-running process instead: the calls one after another on the stock model, then the same calls after
+``patch``, each timed, side by side.
 """
 
 import time
@@ -51,5 +55,42 @@ def main(spec: dict) -> dict:
             "token_ids": out[0, inputs["input_ids"].shape[-1]:].tolist()}
 
 
+def calls(spec: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": spec["gguf_file"]} if spec.get("gguf_file") else {}
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], **kwargs)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, **kwargs).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    encoded = []
+    for max_new_tokens, prompts in spec["calls"]:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=False) for p in prompts]
+        encoded.append((max_new_tokens, tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)))
+
+    def run_all() -> list[dict]:
+        results = []
+        for max_new_tokens, inputs in encoded:
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            results.append({"seconds": time.perf_counter() - start, "batch": int(inputs["input_ids"].shape[0]),
+                            "prompt_tokens": int(inputs["input_ids"].shape[1]), "max_new_tokens": max_new_tokens,
+                            "token_ids": out[:, inputs["input_ids"].shape[1]:].tolist()})
+        return results
+
+    stock = run_all()
+    import hf_accel
+
+    start = time.perf_counter()
+    model = hf_accel.patch(model, **spec["patch"])
+    patch_s = time.perf_counter() - start
+    return {"stock": stock, "patched": run_all(), "patch_s": patch_s}
+
+
 if __name__ == "__main__":
-    print("HF_ACCEL_COLD_RESULT " + json.dumps(main(json.loads(sys.argv[1]))), flush=True)
+    spec = json.loads(sys.argv[1])
+    result = calls(spec) if "calls" in spec else main(spec)
+    print("HF_ACCEL_COLD_RESULT " + json.dumps(result), flush=True)

@@ -6,9 +6,11 @@ speculative loop runs ~2.5x stock and the compiled one ~3x. So a short script, o
 notebook, need not wait for a compiler; a long-running process should compile soon.
 
 ``when="auto"`` is the ski-rental rule: compile a shape class once running eagerly has lost, in the time a
-compiled graph would have saved, as much as compiling is expected to take. What counts as lost is the eager
-decode time so far plus what the rest of the current call is expected to take (its ``max_new_tokens`` at
-the model's measured eager seconds per token), times :data:`SAVED_FRACTION`. So a call long enough to pay
+compiled graph would have saved, as much as compiling is expected to take. What counts as lost is the
+decode time that waited for this shape class so far plus what the rest of the current call is expected to
+take (its ``max_new_tokens`` at the model's measured eager seconds per token), times
+:data:`SAVED_FRACTION`. Each shape class pays for itself: a server's first batch of three does not stop
+for a compile because batch-1 calls waited before. So a call long enough to pay
 for a compile by itself compiles at its start, and a run of short calls compiles once they have paid. The
 estimate is what compiling took on this machine before (from the compile cache, whose compiled code makes
 the compile a cache hit), or :data:`COLD_COMPILE_SECONDS` for a shape class this machine never compiled.
@@ -54,7 +56,7 @@ class CompilePolicy:
 
     def decide(self, estimate: tuple[float, str], eager_seconds: float, call_remaining: float = 0.0) -> Decision:
         """:param estimate: seconds compiling is expected to take, and where that figure comes from.
-        :param eager_seconds: time the model's decode steps have run eagerly for want of compiled graphs.
+        :param eager_seconds: time the model's decode steps have run eagerly waiting for this shape class.
         :param call_remaining: eager seconds the rest of the current call is expected to take."""
         seconds, source = estimate
         if self.when == "first_use":

@@ -40,7 +40,7 @@ from .changes import Changes
 from .compile_cache import CompileStore, fingerprint
 from .compile_policy import CompilePolicy, Decision
 from .kv_cache import RollbackStaticCache
-from .regions import (ACTIVE_RUN, LayerCacheView, Region, RegionRun, ShapeClass, cache_argument, decoder_layers,
+from .regions import (ACTIVE_RUN, FilledLayerView, LayerCacheView, Region, RegionRun, ShapeClass, cache_argument, decoder_layers,
                       hidden_states_of, route, shape_class, side_inputs, tensors_in, with_cache, without_cache)
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,8 @@ class CompiledDecodeStep:
         self._graphs: dict[str, RegionGraphs] = {}
         self._compiled: dict[ShapeClass, float] = {}  # shape class -> seconds its compile took
         self._decisions: dict[ShapeClass, Decision] = {}
+        self._waited: dict[ShapeClass, float] = {}  # eager seconds of decode steps that waited for each class
+        self._stored: dict[ShapeClass, float | None] = {}  # the store's estimate per shape class
         self._fingerprints: dict[str, dict[str, Any]] = {}
         self._caches: dict[int, tuple[int, Cache]] = {}  # batch size -> (positions, cache)
         self._installed: Changes | None = None
@@ -238,47 +240,59 @@ class CompiledDecodeStep:
         else:
             self.stats.eager_steps += 1
         if run.waiting:  # time spent compiling is not time lost running eagerly
-            self.stats.eager_seconds += _clock() - start - (self.stats.compile_seconds - compiling_before)
+            waited = _clock() - start - (self.stats.compile_seconds - compiling_before)
+            self.stats.eager_seconds += waited
+            for shape in run.waiting:
+                self._waited[shape] = self._waited.get(shape, 0.0) + waited
         self._publish()
         return out
 
     def layer_forward(self, run: RegionRun, region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One decoder layer inside a decode step: its compiled graph, a compile on the side, or eager."""
         found = cache_argument(args, kwargs)
-        layer_cache = found[1].layers[region.cache_index] if found is not None else None
-        if self.stats.failure is not None or not _compileable(layer_cache):
+        hidden = hidden_states_of(args, kwargs)
+        layers = found[1].layers if found is not None else ()
+        layer_cache = layers[region.cache_index] if region.cache_index < len(layers) else None
+        if self.stats.failure is not None or hidden is None or not _compileable(layer_cache):
             run.eager_layers += 1
             return type(region.layer).forward(region.layer, *args, **kwargs)
         slot = found[0]
-        shape = shape_class(region, hidden_states_of(args, kwargs))
+        shape = shape_class(region, hidden)
         graphs = self._graphs_for(region.kind)
         if shape in self._compiled:
             misses = graphs.misses[0]
-            out = graphs.run(region.layer, layer_cache, slot, *without_cache(args, kwargs, slot)[0],
-                             **without_cache(args, kwargs, slot)[1])
+            rest_args, rest_kwargs = without_cache(args, kwargs, slot)
+            out = graphs.run(region.layer, layer_cache, slot, *rest_args, **rest_kwargs)
             missed = graphs.misses[0] - misses
             self.stats.misses += missed
             run.eager_layers += missed
             run.compiled_layers += 1 - missed
             return out
-        run.waiting = True
+        run.waiting.add(shape)
         run.eager_layers += 1
-        if self._decide(shape).compile:
+        if shape not in run.decisions:
+            run.decisions[shape] = self._decide(shape)
+        if run.decisions[shape].compile:
             return self._compile_and_check(graphs, shape, region, layer_cache, slot, args, kwargs)
-        return type(region.layer).forward(region.layer, *args, **kwargs)
+        return _eager_over_filled_slots(region, layer_cache, slot, args, kwargs)
 
     # -- compiling ----------------------------------------------------------------------------------------
     def _decide(self, shape: ShapeClass) -> Decision:
-        estimate = self._estimate(shape)
+        # Each shape class pays for itself: time lost on batch 1 does not buy a compile of batch > 1.
         spent_in_call = self.stats.eager_seconds - self._call_start
-        decision = self.policy.decide(estimate, self.stats.eager_seconds, max(self._call_forecast - spent_in_call, 0))
+        decision = self.policy.decide(self._estimate(shape), self._waited.get(shape, 0.0),
+                                      max(self._call_forecast - spent_in_call, 0.0))
         if self._decisions.get(shape) != decision:
             self._decisions[shape] = decision
             logger.debug("%s, %s: %s", type(self.model).__name__, shape, decision.reason)
         return decision
 
     def _estimate(self, shape: ShapeClass) -> tuple[float, str]:
-        known = self.store.estimate(self._fingerprint(shape.kind), shape) if self.store is not None else None
+        # The store is read once per shape class: what it says changes only when this step compiles the class.
+        if shape not in self._stored:
+            fp = self._fingerprint(shape.kind)
+            self._stored[shape] = self.store.estimate(fp, shape) if self.store is not None else None
+        known = self._stored[shape]
         if known is not None:
             return known, _FROM_STORE
         return self.policy.cold_estimate, "not compiled on this machine before"
@@ -299,7 +313,7 @@ class CompiledDecodeStep:
             self._fail(f"compiling {shape} raised {_describe(exc)}")
             return type(region.layer).forward(region.layer, *args, **kwargs)
         seconds = _clock() - start
-        eager = type(region.layer).forward(region.layer, *args, **kwargs)
+        eager = _eager_over_filled_slots(region, layer_cache, slot, args, kwargs)
         error = max([_relative_error(e, c) for e, c in zip(tensors_in(eager), tensors_in(compiled))]
                     + [_relative_error(getattr(layer_cache, n), getattr(scratch, n)) for n in ("keys", "values")])
         self.stats.check_error = max(error, self.stats.check_error or 0.0)
@@ -360,6 +374,23 @@ class CompiledDecodeStep:
             shapes.setdefault(str(shape), decision.reason)
         self.details.update(asdict(self.stats), bucket=self.bucket, mode=self.backend.mode or "default",
                             when=self.policy.when, shapes=shapes)
+
+
+def _eager_over_filled_slots(region: Region, layer_cache: Any, slot: int | str, args: tuple[Any, ...],
+                             kwargs: dict[str, Any]) -> Any:
+    """The layer's own forward, its attention reading the cache's filled slots rather than all of them: the keys
+    and values (:class:`~hf_accel.regions.FilledLayerView`) and every 4-D mask over the cache's length."""
+    length = layer_cache.max_cache_len
+    filled = int(layer_cache.cumulative_length) + hidden_states_of(args, kwargs).shape[1]
+
+    def cut(value: Any) -> Any:
+        is_mask = isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[-1] == length
+        return value[..., :filled] if is_mask else value
+
+    args, kwargs = without_cache(args, kwargs, slot)
+    args, kwargs = with_cache(tuple(map(cut, args)), {k: cut(v) for k, v in kwargs.items()}, slot,
+                              FilledLayerView(layer_cache))
+    return type(region.layer).forward(region.layer, *args, **kwargs)
 
 
 def _compileable(layer_cache: Any) -> bool:

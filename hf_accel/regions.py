@@ -92,7 +92,8 @@ class RegionRun:
         self.step = step
         self.compiled_layers = 0
         self.eager_layers = 0
-        self.waiting = False  # a layer ran eagerly because its shape class is not compiled (yet)
+        self.waiting: set[ShapeClass] = set()  # shape classes whose layers ran eagerly, not compiled (yet)
+        self.decisions: dict[ShapeClass, Any] = {}  # the compile policy asked once per class per step
 
     def region_of(self, layer: nn.Module) -> Region | None:
         return self.step.regions.get(id(layer))
@@ -139,6 +140,17 @@ class LayerCacheView:
         return True
 
 
+class FilledLayerView(LayerCacheView):
+    """One static cache layer for an *eager* layer call: attention reads the filled slots only, not the whole
+    fixed length (the slots past them are masked, so the result is the same, at a fraction of the work)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.layer.update(key_states, value_states, *args, **kwargs)
+        filled = int(self.layer.cumulative_length)
+        return keys[:, :, :filled], values[:, :, :filled]
+
+
 def cache_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | str, Cache] | None:
     """Where a layer call holds the model's KV cache, found by type rather than by name: a position (GPT-2
     passes it second) or a keyword (``past_key_values``, or ``cache`` from transformers 5.24)."""
@@ -165,12 +177,10 @@ def with_cache(args: tuple[Any, ...], kwargs: dict[str, Any], slot: int | str, c
     return args, {**kwargs, slot: cache}
 
 
-def hidden_states_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    """A decoder layer's input, ``[batch, tokens, hidden]``: its first argument."""
+def hidden_states_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """A decoder layer's input, ``[batch, tokens, hidden]`` (its first argument), or None."""
     hidden = args[0] if args else kwargs.get("hidden_states")
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
-        raise TypeError("a decoder layer was called without [batch, tokens, hidden] hidden states first")
-    return hidden
+    return hidden if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
 
 
 def shape_class(region: Region, hidden: torch.Tensor) -> ShapeClass:

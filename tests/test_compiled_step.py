@@ -239,3 +239,19 @@ def test_the_policy_weighs_eager_time_lost_against_the_compile_estimate():
     assert CompilePolicy(when="first_use").decide((500.0, "cold"), eager_seconds=0).compile
     with pytest.raises(ValueError, match="compile_when='soon' is not one of 'auto', 'first_use'"):
         CompilePolicy(when="soon")
+
+
+def test_a_new_batch_size_waits_for_its_own_compile_to_pay(llama, empty_store, steady_clock):
+    """Time lost waiting on batch 1 does not pay for compiling batch > 1: a server's first batch of three runs
+    eagerly, as fast as before, instead of stopping for a compile."""
+    ids, mask = left_padded_batch(llama, (9, 5, 7))
+    expected = [greedy(llama, ids[:1], mask[:1], 20), greedy(llama, ids, mask, 4)]
+    hf_accel.patch(llama, compile="inductor", speculative=None)
+    step = llama._hf_accel_state.compiled_step
+    step.policy = compiled_step.CompilePolicy(cold_estimate=0.05 * step.policy.saved_fraction)
+    assert torch.equal(greedy(llama, ids[:1], mask[:1], 20), expected[0])  # batch 1 waits 0.05 s, compiles
+    assert torch.equal(greedy(llama, ids, mask, 4), expected[1])
+    shapes = compile_details(llama)["shapes"]
+    assert shapes[str(ShapeClass("LlamaDecoderLayer", single_row=True, single_token=True))].startswith("compiled")
+    assert shapes[str(ShapeClass("LlamaDecoderLayer", single_row=False, single_token=True))].startswith("eager for now")
+    assert compile_details(llama)["graphs_compiled"] == 1
