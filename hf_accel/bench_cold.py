@@ -22,7 +22,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,24 +54,24 @@ class ColdConfig:
 
 
 def run_cold_bench(model_dir: str, gguf_file: str | None, prompt: str, lengths: list[int], configs: list[ColdConfig],
-                   progress: Callable[[str], None] | None = None) -> list[ColdRun]:
-    """Every configuration at every length in fresh processes, with empty caches then with warm ones."""
+                   scratch: str | Path, progress: Callable[[str], None] | None = None) -> list[ColdRun]:
+    """Every configuration at every length in fresh processes, with empty caches then with warm ones (in
+    ``scratch/warm``, filled first by an untimed run of each configuration)."""
     runs: list[ColdRun] = []
     base = {"model_dir": model_dir, "gguf_file": gguf_file, "prompt": prompt}
-    with tempfile.TemporaryDirectory(prefix="hf_accel_cold_") as scratch:
-        warm = _cache_dirs(Path(scratch) / "warm")
-        for config in configs:  # fills the warm caches (and the OS file cache) untimed
-            _run_worker({**base, "max_new_tokens": max(lengths), "patch": config.patch}, warm)
-            if progress:
-                progress(f"filled caches: {config.name}")
-        for caches in ("cold", "warm"):
-            for n in lengths:
-                for i, config in enumerate(configs):
-                    dirs = warm if caches == "warm" else _cache_dirs(Path(scratch) / f"cold-{n}-{i}")
-                    runs.append(_timed_run({**base, "max_new_tokens": n, "patch": config.patch}, dirs, caches,
-                                           config.name))
-                    if progress:
-                        progress(f"{caches} caches: {config.name}, {n} tokens")
+    warm = _cache_dirs(Path(scratch) / "warm")
+    for config in configs:  # fills the warm caches (and the OS file cache) untimed
+        _run_worker({**base, "max_new_tokens": max(lengths), "patch": config.patch}, warm)
+        if progress:
+            progress(f"filled caches: {config.name}")
+    for caches in ("cold", "warm"):
+        for n in lengths:
+            for i, config in enumerate(configs):
+                dirs = warm if caches == "warm" else _cache_dirs(Path(scratch) / f"cold-{n}-{i}")
+                runs.append(_timed_run({**base, "max_new_tokens": n, "patch": config.patch}, dirs, caches,
+                                       config.name))
+                if progress:
+                    progress(f"{caches} caches: {config.name}, {n} tokens")
     _mark_identity(runs)
     return runs
 
@@ -97,21 +96,21 @@ class CallPair:
 
 
 def run_calls_bench(model_dir: str, gguf_file: str | None, prompts: list[str], patch: dict[str, Any],
-                    calls: tuple[tuple[int, tuple[int, ...]], ...] = DEFAULT_CALLS,
+                    scratch: str | Path, calls: tuple[tuple[int, tuple[int, ...]], ...] = DEFAULT_CALLS,
                     progress: Callable[[str], None] | None = None) -> list[CallPair]:
-    """The calls one after another in one process, stock then patched, with empty then warm caches."""
+    """The calls one after another in one process, stock then patched: with empty caches, then with the warm
+    caches :func:`run_cold_bench` left in ``scratch/warm`` (as on a machine that has compiled before)."""
     spec = {"model_dir": model_dir, "gguf_file": gguf_file, "patch": patch,
             "calls": [[n, [prompts[i % len(prompts)] for i in rows]] for n, rows in calls]}
     pairs = []
-    with tempfile.TemporaryDirectory(prefix="hf_accel_calls_") as scratch:
-        dirs = _cache_dirs(Path(scratch))
-        for caches in ("cold", "warm"):  # the cold run fills the caches the warm run finds
-            result = _run_worker(spec, dirs)
-            for i, (stock, patched) in enumerate(zip(result["stock"], result["patched"]), start=1):
-                pairs.append(CallPair(caches, i, stock["batch"], stock["prompt_tokens"], stock["max_new_tokens"],
-                                      stock["seconds"], patched["seconds"], stock["token_ids"] == patched["token_ids"]))
-            if progress:
-                progress(f"calls in one process, {caches} caches")
+    runs = (("cold", _cache_dirs(Path(scratch) / "calls-cold")), ("warm", _cache_dirs(Path(scratch) / "warm")))
+    for caches, dirs in runs:
+        result = _run_worker(spec, dirs)
+        for i, (stock, patched) in enumerate(zip(result["stock"], result["patched"]), start=1):
+            pairs.append(CallPair(caches, i, stock["batch"], stock["prompt_tokens"], stock["max_new_tokens"],
+                                  stock["seconds"], patched["seconds"], stock["token_ids"] == patched["token_ids"]))
+        if progress:
+            progress(f"calls in one process, {caches} caches")
     return pairs
 
 

@@ -7,6 +7,7 @@ import importlib.util
 import logging
 import platform
 import sys
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -127,6 +128,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
           f"transformers {transformers.__version__}")
     devices = ["cpu"] + [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]
     print(f"devices: {', '.join(devices)}   threads: {torch.get_num_threads()}")
+    from .compile_cache import CompileStore
+
+    store = CompileStore()
+    print(f"compile cache: {store.directory} ({len(store.entries())} compiled shapes; `hf-accel cache info`)")
     rows = [("feature", "backend", "plugin", "available", "why not")]
     rows += [(b.feature, b.name, b.plugin, "yes" if b.available else "no", b.reason) for b in available_backends()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -237,8 +242,10 @@ def _bench_cold(args: argparse.Namespace) -> int:
         bar.set_postfix_str(label[:60])
         bar.update(1)
 
-    runs = run_cold_bench(model_dir, gguf_file, prompts[0].prompt, lengths, configs, progress)
-    pairs = run_calls_bench(model_dir, gguf_file, [p.prompt for p in prompts], configs[1].patch, progress=progress)
+    with tempfile.TemporaryDirectory(prefix="hf_accel_cold_") as scratch:
+        runs = run_cold_bench(model_dir, gguf_file, prompts[0].prompt, lengths, configs, scratch, progress)
+        pairs = run_calls_bench(model_dir, gguf_file, [p.prompt for p in prompts], configs[1].patch, scratch,
+                                progress=progress)
     bar.close()
     print(f"\nA short script, in fresh processes (prompt {prompts[0].category}:{prompts[0].name}):\n\n"
           f"{format_cold_table(runs)}\n\n{format_break_even(runs)}\n\n"
@@ -330,7 +337,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     store = CompileStore(args.dir)
     if args.action == "clear":
         freed = store.clear()
-        print(f"removed {store.directory} ({freed / 2**20:.1f} MB)")
+        print(f"emptied {store.directory} ({freed / 2**20:.1f} MB freed)")
         return 0
     entries = store.entries()
     print(f"hf_accel compile cache: {store.directory}  ({len(entries)} entries, {store.size_bytes() / 2**20:.1f} MB)")

@@ -12,12 +12,14 @@ layer's parameter shapes and module types (prepacked or quantized Linears), the 
 the attention implementation and the compile settings. Weights are graph inputs, so one entry serves every
 checkpoint of an architecture. Everything is validated when read: an entry written by other versions of
 torch, transformers or hf_accel is stale, one whose recorded fingerprint is not the model's is foreign, and
-an unreadable index is corrupt. Each is discarded with a log line, never used; a compile that fails inside
-the store is retried once in an emptied one. Whatever the store holds, every graph is checked against the
-eager layer before a call uses it.
+an unreadable index or a malformed entry is corrupt. Each is discarded from the index with a log line, never
+used; a compile that fails inside the store empties it and is retried once. Whatever the store holds, every
+graph is checked against the eager layer before a call uses it. Compiled code itself is keyed by torch (by
+graph, versions and CPU), so stale code is never loaded; it stays on disk until ``hf-accel cache clear``.
 
-Location: ``HF_ACCEL_CACHE``, else ``$XDG_CACHE_HOME/hf_accel``, else ``~/.cache/hf_accel``; ``compile/``
-inside it. ``hf-accel cache info`` shows it, ``hf-accel cache clear`` empties it.
+Location: ``HF_ACCEL_CACHE``, else ``$XDG_CACHE_HOME/hf_accel``, else ``~/.cache/hf_accel`` (a directory under
+the system's temporary directory where there is no home); ``compile/`` inside it. ``hf-accel cache info``
+shows it, ``hf-accel cache clear`` empties it. A store that cannot be written costs compiles, nothing more.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import json
 import logging
 import os
 import shutil
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,14 +44,21 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
+#: Compiles that point inductor's cache directory at a store hold this lock: the directory is an environment
+#: variable of the whole process, so two threads' compiles must not interleave their changes to it.
+_COMPILING = threading.RLock()
 
 
 def default_cache_dir() -> Path:
     """``HF_ACCEL_CACHE``, else ``$XDG_CACHE_HOME/hf_accel``, else ``~/.cache/hf_accel``."""
     if os.environ.get("HF_ACCEL_CACHE"):
         return Path(os.environ["HF_ACCEL_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "hf_accel"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "hf_accel"
+    try:
+        return Path.home() / ".cache" / "hf_accel"
+    except RuntimeError:  # no home directory to be found (a container user without one)
+        return Path(tempfile.gettempdir()) / f"hf_accel-{os.getuid()}"
 
 
 def versions() -> dict[str, str]:
@@ -65,8 +76,8 @@ def fingerprint(model: nn.Module, layer: nn.Module, kind: str, **settings: Any) 
         config.pop(volatile, None)
     structure = [[name, type(module).__name__] for name, module in layer.named_modules()]
     tensors = [[name, list(t.shape), str(t.dtype)] for name, t in (*layer.named_parameters(), *layer.named_buffers())]
-    param = next(layer.parameters(), None)
     linears = sorted({type(m).__name__ for m in layer.modules() if "Linear" in type(m).__name__})
+    param = next(layer.parameters(), None)
     return {
         "model": type(model).__name__, "kind": kind, "linears": linears,
         "device": param.device.type if param is not None else "cpu",
@@ -87,6 +98,13 @@ class StoreEntry:
     created: str
 
 
+@dataclass(frozen=True)
+class Stored:
+    """A shape class the store has compiled: how long compiling it took from the store, if measured."""
+
+    warm_seconds: float | None
+
+
 class CompileStore:
     """The compile cache in ``directory`` (see the module docs).
 
@@ -96,55 +114,62 @@ class CompileStore:
         with store.compiling():                              # inductor's cache is the store's
             compiled(...)
         store.record(fingerprint, shape, seconds, warm=False)
-        store.estimate(fingerprint, shape)                   # in a later process: seconds, or None
+        store.lookup(fingerprint, shape)                     # in a later process: Stored(...), or None
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(directory) if directory is not None else default_cache_dir()
         self.directory = self.root / "compile"
         self.inductor_directory = self.directory / "inductor"
-        self._read_once = False
+        self._pruned = False
+        self._unwritable = False
 
     def __repr__(self) -> str:
         return f"<CompileStore {self.directory}>"
 
     # -- for the compiled step ------------------------------------------------------------------------------
-    def estimate(self, fp: dict[str, Any], shape: Any) -> float | None:
-        """Seconds compiling ``shape`` is expected to take, if this store has compiled it; else None."""
-        from .compile_policy import WARM_COMPILE_SECONDS
-
+    def lookup(self, fp: dict[str, Any], shape: Any) -> Stored | None:
+        """What the store knows of ``shape`` compiled for ``fp``, or None."""
         key = _key(fp, shape)
         entry = self._entries().get(key)
         if entry is None or not self._valid(entry, fp, key):
             return None
-        return entry.get("warm_seconds") or WARM_COMPILE_SECONDS
+        return Stored(entry.get("warm_seconds"))
 
     @contextlib.contextmanager
     def compiling(self) -> Iterator[None]:
-        """Inductor's cache directory is this store's while a compile runs, and what it was afterwards."""
-        self.inductor_directory.mkdir(parents=True, exist_ok=True)
-        previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.inductor_directory)
-        try:
-            yield
-        finally:
-            if previous is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+        """Inductor's cache directory is this store's while a compile runs, and what it was afterwards (the
+        process-wide environment variable, held under a lock). A store that cannot be created is skipped."""
+        with _COMPILING:
+            try:
+                self.inductor_directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                self._warn_unwritable(exc)
+                yield
+                return
+            previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.inductor_directory)
+            try:
+                yield
+            finally:
+                if previous is None:
+                    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+                else:
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
 
     def record(self, fp: dict[str, Any], shape: Any, seconds: float, warm: bool) -> None:
         """Keep a compiled shape class and how long compiling it took (``warm``: the store already had it)."""
         key = _key(fp, shape)
         try:
             with self._locked_index() as index:
-                entry = index["entries"].get(key, {})
+                entry = index["entries"].get(key)
+                entry = entry if _well_formed_entry(entry) else {}
                 entry.update(fingerprint=fp, versions=versions(), shape=str(shape),
                              created=entry.get("created", _now()))
                 entry["warm_seconds" if warm else "cold_seconds"] = round(seconds, 3)
                 index["entries"][key] = entry
-        except OSError as exc:  # a read-only or full disk costs the next process a compile, nothing more
-            logger.warning("hf_accel: could not write the compile cache index in %s: %s", self.directory, exc)
+        except OSError as exc:
+            self._warn_unwritable(exc)
 
     def reset(self, why: str) -> None:
         """Empty the store (its compiled code could not be used), with a log line saying why."""
@@ -153,9 +178,9 @@ class CompileStore:
 
     # -- for the CLI -------------------------------------------------------------------------------------
     def entries(self) -> list[StoreEntry]:
-        return [StoreEntry(key, _model_label(e.get("fingerprint", {})), e.get("shape", "?"),
-                           e.get("cold_seconds"), e.get("warm_seconds"), e.get("created", "?"))
-                for key, e in sorted(self._entries().items(), key=lambda kv: kv[1].get("created", ""))]
+        return [StoreEntry(key, _model_label(e["fingerprint"]), str(e.get("shape", "?")), e.get("cold_seconds"),
+                           e.get("warm_seconds"), str(e.get("created", "?")))
+                for key, e in sorted(self._entries().items(), key=lambda kv: str(kv[1].get("created", "")))]
 
     def size_bytes(self) -> int:
         if not self.directory.is_dir():
@@ -163,13 +188,18 @@ class CompileStore:
         return sum(p.stat().st_size for p in self.directory.rglob("*") if p.is_file())
 
     def clear(self) -> int:
-        """Delete every stored entry and the compiled code; the bytes freed."""
+        """Delete what the store holds (its index and compiled code, nothing else in its directory); the
+        bytes freed."""
         size = self.size_bytes()
-        shutil.rmtree(self.directory, ignore_errors=True)
-        return size
+        shutil.rmtree(self.inductor_directory, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (self.directory / "index.json").unlink(missing_ok=True)
+        return size - self.size_bytes()
 
     # -- the index ---------------------------------------------------------------------------------------
     def _entries(self) -> dict[str, dict[str, Any]]:
+        """The index's well-formed entries of these versions; the first read in a process discards the rest
+        from the index, each with a log line."""
         path = self.directory / "index.json"
         if not path.is_file():
             return {}
@@ -182,33 +212,32 @@ class CompileStore:
             with contextlib.suppress(OSError):
                 path.unlink()
             return {}
-        if not self._read_once:
-            self._read_once = True
-            self._drop_stale(index["entries"])
-        return index["entries"]
-
-    def _drop_stale(self, entries: dict[str, dict[str, Any]]) -> None:
         current = versions()
-        for key, entry in list(entries.items()):
-            if entry.get("versions") != current:
-                written = _describe(entry.get("versions"))
-                self._discard(key, f"it was written by {written}, this is {_describe(current)}", level=logging.INFO)
-                entries.pop(key)
-                if (entry.get("versions") or {}).get("torch") != current["torch"]:  # its compiled code is useless now
-                    shutil.rmtree(self.inductor_directory, ignore_errors=True)
+        usable = {}
+        for key, entry in index["entries"].items():
+            if not _well_formed_entry(entry):
+                self._discard_once(key, "it is malformed")
+            elif entry["versions"] != current:
+                self._discard_once(key, f"it was written by {_versions_text(entry['versions'])}, this is "
+                                        f"{_versions_text(current)}", level=logging.INFO)
+            else:
+                usable[key] = entry
+        self._pruned = True
+        return usable
 
     def _valid(self, entry: dict[str, Any], fp: dict[str, Any], key: str) -> bool:
-        if entry.get("versions") != versions():
-            self._discard(key, "it was written by other versions", level=logging.INFO)
-            return False
-        if entry.get("fingerprint") != fp:
-            self._discard(key, f"it records another model ({entry.get('fingerprint', {}).get('model', '?')}) under "
-                               "this model's key")
+        if entry["fingerprint"] != fp:
+            self._discard(key, f"it records another model ({entry['fingerprint'].get('model', '?')}) under this "
+                               "model's key")
             return False
         if not self.inductor_directory.is_dir():
             self._discard(key, "its compiled code is gone")
             return False
         return True
+
+    def _discard_once(self, key: str, why: str, level: int = logging.WARNING) -> None:
+        if not self._pruned:
+            self._discard(key, why, level)
 
     def _discard(self, key: str, why: str, level: int = logging.WARNING) -> None:
         logger.log(level, "hf_accel: discarding compile cache entry %s: %s", key, why)
@@ -231,9 +260,21 @@ class CompileStore:
             yield index
             _write_atomic(path, json.dumps(index, indent=1).encode())
 
+    def _warn_unwritable(self, exc: OSError) -> None:
+        if not self._unwritable:
+            self._unwritable = True
+            logger.warning("hf_accel: the compile cache %s cannot be written (%s); compiled code is not kept "
+                           "between processes (set HF_ACCEL_CACHE to a writable directory)", self.directory, exc)
+
 
 def _well_formed(index: Any) -> bool:
     return isinstance(index, dict) and index.get("format") == FORMAT and isinstance(index.get("entries"), dict)
+
+
+def _well_formed_entry(entry: Any) -> bool:
+    seconds_ok = all(isinstance(entry.get(k), (int, float)) or entry.get(k) is None
+                     for k in ("cold_seconds", "warm_seconds")) if isinstance(entry, dict) else False
+    return (seconds_ok and isinstance(entry.get("fingerprint"), dict) and isinstance(entry.get("versions"), dict))
 
 
 def _model_label(fp: dict[str, Any]) -> str:
@@ -251,9 +292,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _describe(v: Any) -> str:
-    if not isinstance(v, dict):
-        return "an unknown version"
+def _versions_text(v: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v.get(k)}" for k in ("torch", "transformers", "hf_accel"))
 
 

@@ -44,10 +44,12 @@ class Decision:
 
 @dataclass(frozen=True)
 class CompilePolicy:
-    """:param when: ``"auto"`` (compile once waiting has cost as much as compiling) or ``"first_use"``."""
+    """:param when: ``"auto"`` (compile once what a graph would have saved exceeds the compile's expected time)
+        or ``"first_use"``."""
 
     when: str = "auto"
     cold_estimate: float = COLD_COMPILE_SECONDS
+    warm_estimate: float = WARM_COMPILE_SECONDS
     saved_fraction: float = SAVED_FRACTION
 
     def __post_init__(self) -> None:

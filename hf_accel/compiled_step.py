@@ -37,11 +37,12 @@ from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLaye
 from transformers.generation import CompileConfig
 
 from .changes import Changes
-from .compile_cache import CompileStore, fingerprint
+from .compile_cache import CompileStore, Stored, fingerprint
 from .compile_policy import CompilePolicy, Decision
 from .kv_cache import RollbackStaticCache
-from .regions import (ACTIVE_RUN, FilledLayerView, LayerCacheView, Region, RegionRun, ShapeClass, cache_argument, decoder_layers,
-                      hidden_states_of, route, shape_class, side_inputs, tensors_in, with_cache, without_cache)
+from .regions import (ACTIVE_RUN, FilledLayerView, LayerCacheView, Region, RegionRun, ShapeClass, cache_argument,
+                      decoder_layers, hidden_states_of, is_routed, route, shape_class, side_inputs, tensors_in,
+                      with_cache, without_cache)
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,8 @@ class CompiledDecodeStep:
     """The model's forward for decode steps, its decoder layers compiled one kind at a time, and the
     fixed-length caches it runs over.
 
-    :param policy: when to compile a shape class (default: once waiting has cost as much as compiling).
+    :param policy: when to compile a shape class (default: once what a graph would have saved exceeds the
+        compile's expected time; see :mod:`hf_accel.compile_policy`).
     :param store: where compiled artifacts persist between processes (None: nowhere).
     """
 
@@ -141,7 +143,7 @@ class CompiledDecodeStep:
         self._compiled: dict[ShapeClass, float] = {}  # shape class -> seconds its compile took
         self._decisions: dict[ShapeClass, Decision] = {}
         self._waited: dict[ShapeClass, float] = {}  # eager seconds of decode steps that waited for each class
-        self._stored: dict[ShapeClass, float | None] = {}  # the store's estimate per shape class
+        self._stored: dict[ShapeClass, Stored | None] = {}  # what the store knows of each shape class
         self._fingerprints: dict[str, dict[str, Any]] = {}
         self._caches: dict[int, tuple[int, Cache]] = {}  # batch size -> (positions, cache)
         self._installed: Changes | None = None
@@ -159,13 +161,15 @@ class CompiledDecodeStep:
 
     # -- installing -----------------------------------------------------------------------------------------
     def install(self, changes: Changes) -> None:
-        """Route the model's decoder layers through this step (undone with ``changes``)."""
+        """Route the model's decoder layers through this step (undone with ``changes``). Layers another step
+        of hf_accel routes already are shared as they are."""
         for region in self.regions.values():
-            if "forward" in vars(region.layer):
+            if "forward" in vars(region.layer) and not is_routed(region.layer):
                 raise ValueError(f"{type(region.layer).__name__} already has a forward of its own on this instance "
                                  "(another library wraps it), which compiled regions would bypass")
         for region in self.regions.values():
-            changes.setattr(region.layer, "forward", route(region.layer))
+            if not is_routed(region.layer):
+                changes.setattr(region.layer, "forward", route(region.layer))
         self._installed = changes
 
     def release(self) -> None:
@@ -176,13 +180,20 @@ class CompiledDecodeStep:
                 step._installed.undo()
 
     def for_model(self, model: nn.Module, details: dict[str, Any] | None = None,
-                  tolerance: float | None = None) -> CompiledDecodeStep:
-        """A compiled forward with this one's settings for ``model`` (the same one, or a draft model), with
-        graphs, caches and statistics of its own; its routing is undone by this step's :meth:`release`."""
-        step = CompiledDecodeStep(model, mode=self.backend.mode, bucket=self.bucket, details=details,
-                                  tolerance=self.tolerance if tolerance is None else tolerance,
-                                  policy=self.policy, store=self.store)
-        step.install(Changes())
+                  tolerance: float | None = None) -> CompiledDecodeStep | None:
+        """A compiled forward with this one's settings for ``model`` (a draft model), with graphs, caches and
+        statistics of its own, its decoder layers routed until this step's :meth:`release` (at unpatch).
+        None, with the reason in ``details``, for a model whose layers cannot be routed: it runs eagerly."""
+        try:
+            step = CompiledDecodeStep(model, mode=self.backend.mode, bucket=self.bucket, details=details,
+                                      tolerance=self.tolerance if tolerance is None else tolerance,
+                                      policy=self.policy, store=self.store)
+            step.install(Changes())
+        except ValueError as exc:
+            if details is not None:
+                details["failure"] = f"not compiled: {exc}"
+            logger.info("hf_accel: %s runs eagerly: %s", type(model).__name__, exc)
+            return None
         self._derived.append(step)
         return step
 
@@ -224,9 +235,7 @@ class CompiledDecodeStep:
 
     # -- one decode step ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.stats.failure is not None or self._installed is None:
-            self.stats.eager_steps += 1
-            self.details["eager_steps"] = self.stats.eager_steps
+        if self._installed is None:
             return self.model(*args, **kwargs)
         run = RegionRun(self)
         token = ACTIVE_RUN.set(run)
@@ -242,9 +251,11 @@ class CompiledDecodeStep:
         if run.waiting:  # time spent compiling is not time lost running eagerly
             waited = _clock() - start - (self.stats.compile_seconds - compiling_before)
             self.stats.eager_seconds += waited
-            for shape in run.waiting:
-                self._waited[shape] = self._waited.get(shape, 0.0) + waited
-        self._publish()
+            for shape in run.waiting:  # two kinds of layer waiting in one step share its time
+                self._waited[shape] = self._waited.get(shape, 0.0) + waited / len(run.waiting)
+        s = self.stats  # the counters only: the rest of the report changes when a decision or a compile does
+        self.details.update(compiled_steps=s.compiled_steps, eager_steps=s.eager_steps, eager_seconds=s.eager_seconds,
+                            misses=s.misses)
         return out
 
     def layer_forward(self, run: RegionRun, region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -253,28 +264,43 @@ class CompiledDecodeStep:
         hidden = hidden_states_of(args, kwargs)
         layers = found[1].layers if found is not None else ()
         layer_cache = layers[region.cache_index] if region.cache_index < len(layers) else None
-        if self.stats.failure is not None or hidden is None or not _compileable(layer_cache):
+        if hidden is None or not _compileable(layer_cache):
             run.eager_layers += 1
             return type(region.layer).forward(region.layer, *args, **kwargs)
         slot = found[0]
+        if self.stats.failure is not None:
+            run.eager_layers += 1
+            return _eager_layer(region, layer_cache, slot, args, kwargs)
         shape = shape_class(region, hidden)
         graphs = self._graphs_for(region.kind)
         if shape in self._compiled:
-            misses = graphs.misses[0]
-            rest_args, rest_kwargs = without_cache(args, kwargs, slot)
-            out = graphs.run(region.layer, layer_cache, slot, *rest_args, **rest_kwargs)
-            missed = graphs.misses[0] - misses
-            self.stats.misses += missed
-            run.eager_layers += missed
-            run.compiled_layers += 1 - missed
-            return out
+            return self._run_graph(graphs, shape, run, region, layer_cache, slot, args, kwargs)
         run.waiting.add(shape)
         run.eager_layers += 1
         if shape not in run.decisions:
             run.decisions[shape] = self._decide(shape)
         if run.decisions[shape].compile:
             return self._compile_and_check(graphs, shape, region, layer_cache, slot, args, kwargs)
-        return _eager_over_filled_slots(region, layer_cache, slot, args, kwargs)
+        return _eager_layer(region, layer_cache, slot, args, kwargs)
+
+    def _run_graph(self, graphs: RegionGraphs, shape: ShapeClass, run: RegionRun, region: Region, layer_cache: Any,
+                   slot: int | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The compiled graph (looked up, never compiled here). If it raises, the cache's index is put back,
+        the layer runs eagerly, and the step stays eager from then on."""
+        misses, written_from = graphs.misses[0], layer_cache.cumulative_length.clone()
+        rest_args, rest_kwargs = without_cache(args, kwargs, slot)
+        try:
+            out = graphs.run(region.layer, layer_cache, slot, *rest_args, **rest_kwargs)
+        except Exception as exc:  # an inductor runtime assert, out of memory, ...
+            layer_cache.cumulative_length.copy_(written_from)  # the eager run rewrites the same slots
+            self._fail(f"running the compiled {shape} graph raised {_describe(exc)}")
+            run.eager_layers += 1
+            return _eager_layer(region, layer_cache, slot, args, kwargs)
+        missed = graphs.misses[0] - misses
+        self.stats.misses += missed
+        run.eager_layers += missed
+        run.compiled_layers += 1 - missed
+        return out
 
     # -- compiling ----------------------------------------------------------------------------------------
     def _decide(self, shape: ShapeClass) -> Decision:
@@ -285,16 +311,17 @@ class CompiledDecodeStep:
         if self._decisions.get(shape) != decision:
             self._decisions[shape] = decision
             logger.debug("%s, %s: %s", type(self.model).__name__, shape, decision.reason)
+            self._publish()
         return decision
 
     def _estimate(self, shape: ShapeClass) -> tuple[float, str]:
         # The store is read once per shape class: what it says changes only when this step compiles the class.
         if shape not in self._stored:
             fp = self._fingerprint(shape.kind)
-            self._stored[shape] = self.store.estimate(fp, shape) if self.store is not None else None
-        known = self._stored[shape]
-        if known is not None:
-            return known, _FROM_STORE
+            self._stored[shape] = self.store.lookup(fp, shape) if self.store is not None else None
+        stored = self._stored[shape]
+        if stored is not None:
+            return stored.warm_seconds or self.policy.warm_estimate, _FROM_STORE
         return self.policy.cold_estimate, "not compiled on this machine before"
 
     def _compile_and_check(self, graphs: RegionGraphs, shape: ShapeClass, region: Region, layer_cache: Any,
@@ -313,9 +340,9 @@ class CompiledDecodeStep:
             self._fail(f"compiling {shape} raised {_describe(exc)}")
             return type(region.layer).forward(region.layer, *args, **kwargs)
         seconds = _clock() - start
-        eager = _eager_over_filled_slots(region, layer_cache, slot, args, kwargs)
-        error = max([_relative_error(e, c) for e, c in zip(tensors_in(eager), tensors_in(compiled))]
-                    + [_relative_error(getattr(layer_cache, n), getattr(scratch, n)) for n in ("keys", "values")])
+        eager = _eager_layer(region, layer_cache, slot, args, kwargs)
+        error = _disagreement([*tensors_in(eager), layer_cache.keys, layer_cache.values],
+                              [*tensors_in(compiled), scratch.keys, scratch.values])
         self.stats.check_error = max(error, self.stats.check_error or 0.0)
         self.stats.graphs_compiled += self.backend.graphs - graphs_before
         self.stats.compile_seconds += seconds
@@ -326,7 +353,7 @@ class CompiledDecodeStep:
         logger.info("hf_accel: compiled %s in %.1f s", shape, seconds)
         if self.store is not None:  # warm if the store still has it (it is emptied when compiling from it fails)
             fp = self._fingerprint(shape.kind)
-            self.store.record(fp, shape, seconds, warm=warm and self.store.estimate(fp, shape) is not None)
+            self.store.record(fp, shape, seconds, warm=warm and self.store.lookup(fp, shape) is not None)
         self._publish()
         return eager
 
@@ -376,21 +403,34 @@ class CompiledDecodeStep:
                             when=self.policy.when, shapes=shapes)
 
 
-def _eager_over_filled_slots(region: Region, layer_cache: Any, slot: int | str, args: tuple[Any, ...],
-                             kwargs: dict[str, Any]) -> Any:
-    """The layer's own forward, its attention reading the cache's filled slots rather than all of them: the keys
-    and values (:class:`~hf_accel.regions.FilledLayerView`) and every 4-D mask over the cache's length."""
+def _eager_layer(region: Region, layer_cache: Any, slot: int | str, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+    """The layer's own forward. Its attention reads only the cache's filled slots (the rest are masked: same
+    result, less work) where every input that spans the cache's length is a 4-D mask that can be cut with the
+    keys and values; otherwise (a per-key bias such as Bloom's alibi, a mask object) it reads them all."""
     length = layer_cache.max_cache_len
+    rest_args, rest_kwargs = without_cache(args, kwargs, slot)
+    if not all(_cuttable(value, length) for value in (*rest_args, *rest_kwargs.values())):
+        return type(region.layer).forward(region.layer, *args, **kwargs)
     filled = int(layer_cache.cumulative_length) + hidden_states_of(args, kwargs).shape[1]
 
     def cut(value: Any) -> Any:
-        is_mask = isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[-1] == length
-        return value[..., :filled] if is_mask else value
+        return value[..., :filled] if isinstance(value, torch.Tensor) and value.dim() == 4 else value
 
-    args, kwargs = without_cache(args, kwargs, slot)
-    args, kwargs = with_cache(tuple(map(cut, args)), {k: cut(v) for k, v in kwargs.items()}, slot,
+    args, kwargs = with_cache(tuple(map(cut, rest_args)), {k: cut(v) for k, v in rest_kwargs.items()}, slot,
                               FilledLayerView(layer_cache))
     return type(region.layer).forward(region.layer, *args, **kwargs)
+
+
+def _cuttable(value: Any, length: int) -> bool:
+    """Whether an input of a layer call can follow the keys and values when they are cut to the filled slots."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return (value.dim() == 4 and value.shape[-1] == length) or length not in value.shape
+    if isinstance(value, (tuple, list)):
+        return all(isinstance(v, torch.Tensor) and length not in v.shape for v in value)
+    return False  # a mask object, a dict of masks, anything else: leave the call as it is
 
 
 def _compileable(layer_cache: Any) -> bool:
@@ -410,6 +450,13 @@ def _describe(exc: Exception) -> str:
     inner = getattr(exc, "inner_exception", None) or exc
     text = str(inner).strip()
     return f"{type(inner).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _disagreement(reference: list[torch.Tensor], actual: list[torch.Tensor]) -> float:
+    """The largest relative error between corresponding tensors; infinite where the structures differ."""
+    if len(reference) != len(actual) or any(r.shape != a.shape for r, a in zip(reference, actual)):
+        return float("inf")
+    return max(_relative_error(r, a) for r, a in zip(reference, actual))
 
 
 def _relative_error(reference: torch.Tensor, actual: torch.Tensor) -> float:

@@ -50,9 +50,13 @@ class GenerateCall:
         if shape is not None and step is not None and not shape.disable_compile:
             kwargs.update(step.generate_kwargs(shape.batch_size, shape.length))
             step.begin_call(shape.length - shape.prompt_length)
-            out = self.state.original_generate(*self.args, **kwargs)
-            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-            step.end_call(sequences.shape[-1] - shape.prompt_length if sequences is not None else 0)
+            made = 0
+            try:
+                out = self.state.original_generate(*self.args, **kwargs)
+                sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+                made = sequences.shape[-1] - shape.prompt_length if sequences is not None else 0
+            finally:
+                step.end_call(made)
             return out
         if shape is not None and (cache := self.reusable_cache()) is not None:
             kwargs["past_key_values"] = cache

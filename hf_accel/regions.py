@@ -54,20 +54,24 @@ class ShapeClass:
 
 
 def decoder_layers(model: nn.Module) -> list[Region]:
-    """The model's repeated decoder layers: the longest ``nn.ModuleList`` whose children share one class.
+    """The model's repeated decoder layers: the longest ``nn.ModuleList`` whose children share one class and
+    each know their slot in the KV cache (the ``layer_idx`` transformers gives a layer or its attention).
 
     :raises ValueError: the model has no such list (nothing to compile regionally).
     """
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1]
-    if not lists:
-        raise ValueError(f"{type(model).__name__} has no list of repeated layers to compile one at a time")
-    layers = max(lists, key=len)
+    # A decoder's layers know their slot in the KV cache (layer_idx); a vision tower's blocks, longer in some
+    # multimodal models, do not.
+    decoders = [m for m in lists if all(_cache_index(layer) is not None for layer in m)]
+    if not decoders:
+        raise ValueError(f"{type(model).__name__} has no list of repeated decoder layers to compile one at a time")
+    layers = max(decoders, key=len)
     config = getattr(model, "config", None)
     text_config = config.get_text_config(decoder=True) if config is not None else None
     layer_types = getattr(text_config, "layer_types", None)
     regions = []
-    for position, layer in enumerate(layers):
-        index = _cache_index(layer, position)
+    for layer in layers:
+        index = _cache_index(layer)
         kind = type(layer).__name__
         if layer_types and index < len(layer_types):
             kind += f"/{layer_types[index]}"
@@ -75,13 +79,13 @@ def decoder_layers(model: nn.Module) -> list[Region]:
     return regions
 
 
-def _cache_index(layer: nn.Module, default: int) -> int:
+def _cache_index(layer: nn.Module) -> int | None:
     """The layer's slot in the KV cache: the ``layer_idx`` transformers gives the layer or its attention."""
     for module in layer.modules():
         index = getattr(module, "layer_idx", None)
         if isinstance(index, int):
             return index
-    return default
+    return None
 
 
 class RegionRun:
@@ -95,27 +99,26 @@ class RegionRun:
         self.waiting: set[ShapeClass] = set()  # shape classes whose layers ran eagerly, not compiled (yet)
         self.decisions: dict[ShapeClass, Any] = {}  # the compile policy asked once per class per step
 
-    def region_of(self, layer: nn.Module) -> Region | None:
-        return self.step.regions.get(id(layer))
-
-    def forward(self, region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.step.layer_forward(self, region, args, kwargs)
-
 
 def route(layer: nn.Module) -> Callable[..., Any]:
     """The instance-level ``forward`` that lets a running compiled step take the layer over."""
     return types.MethodType(routed_forward, layer)
 
 
+def is_routed(layer: nn.Module) -> bool:
+    """Whether the layer's instance-level ``forward`` is hf_accel's routing (another step of ours may use it)."""
+    return getattr(vars(layer).get("forward"), "__func__", None) is routed_forward
+
+
 def routed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A decoder layer's forward on a patched model: the class's forward, or the active run's choice.
 
     A module-level function bound to the layer, so ``copy.deepcopy`` of a model binds it to the copy."""
-    run = ACTIVE_RUN.get()
+    run = None if torch.compiler.is_compiling() else ACTIVE_RUN.get()  # a user's own torch.compile traces through
     if run is not None:
-        region = run.region_of(layer)
+        region = run.step.regions.get(id(layer))
         if region is not None:
-            return run.forward(region, args, kwargs)
+            return run.step.layer_forward(run, region, args, kwargs)
     return type(layer).forward(layer, *args, **kwargs)
 
 
@@ -210,13 +213,13 @@ def side_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], layer_cache: Any,
             elif size == cache_length or (size == width and width > 1):
                 yield dim
 
-    def copy(value: Any) -> Any:
+    def duplicate(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return mark(value.clone(), dynamic_dims(value.shape))
         if isinstance(value, (tuple, list)):
-            return type(value)(copy(v) for v in value)
+            return type(value)(duplicate(v) for v in value)
         if isinstance(value, dict):
-            return {k: copy(v) for k, v in value.items()}
+            return {k: duplicate(v) for k, v in value.items()}
         return value
 
     def copy_cache_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -227,7 +230,7 @@ def side_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], layer_cache: Any,
     scratch = object.__new__(type(layer_cache))
     scratch.__dict__.update({name: copy_cache_tensor(value) if isinstance(value, torch.Tensor) else value
                              for name, value in vars(layer_cache).items()})
-    return copy(args), copy(kwargs), scratch
+    return duplicate(args), duplicate(kwargs), scratch
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:

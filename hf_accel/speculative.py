@@ -169,6 +169,7 @@ class SpeculativeLoop:
         eos = config.eos_token_id
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
         self.rows: list[torch.Tensor] = []
+        self.prompt_length = 0
         self.scores: list[list[torch.Tensor]] = []
         self.logits: list[list[torch.Tensor]] = []
         self.stats = SpeculativeStats()
@@ -527,11 +528,13 @@ class SpeculativeRunner:
         loop = SpeculativeLoop(call.model, drafter, plan.config, plan.processors, plan.stopping, plan.streamer,
                                plan.max_new_tokens, self.draft_length,
                                make_lm=lambda model, role="target": self._cached_lm(call, plan, model, role, compiled))
-        with torch.no_grad():
-            loop.run(plan.input_ids, plan.attention_mask)
-        tokens = max(row.shape[0] for row in loop.rows) - loop.prompt_length
-        for step in compiled:
-            step.end_call(tokens)
+        try:
+            with torch.no_grad():
+                loop.run(plan.input_ids, plan.attention_mask)
+        finally:  # each compiled forward learns how long the call was (its eager seconds per token)
+            made = max((row.shape[0] for row in loop.rows), default=loop.prompt_length) - loop.prompt_length
+            for step in compiled:
+                step.end_call(made)
         self.stats.add(loop.stats)
         self.details.update(self.stats.as_details(), draft_length=self.draft_length.k)
         return to_output(loop, plan.config)
@@ -546,12 +549,17 @@ class SpeculativeRunner:
         inexact = base is not None and base.tolerance > CHECK_TOLERANCE and role == "target"
         if base is None or plan.config.disable_compile or inexact:
             return CachedLM(model, call.reusable_cache() if role == "target" else None)
-        step = base if model is base.model else self._compiled.get(id(model))
-        if step is None:
-            # A draft's graph only has to draft well: a loose check is enough (its tokens are all verified).
-            step = base.for_model(model, details=self.details.setdefault("compiled", {}).setdefault(role, {}),
-                                  tolerance=DRAFT_CHECK_TOLERANCE)
-            self._compiled[id(model)] = step
+        if model is base.model:
+            step = base
+        else:
+            if id(model) not in self._compiled:
+                # A draft's graph only has to draft well: a loose check is enough (its tokens are all verified).
+                self._compiled[id(model)] = base.for_model(
+                    model, details=self.details.setdefault("compiled", {}).setdefault(role, {}),
+                    tolerance=DRAFT_CHECK_TOLERANCE)
+            step = self._compiled[id(model)]
+            if step is None:  # a draft whose layers cannot be routed drafts eagerly
+                return CachedLM(model)
         batch, prompt = plan.input_ids.shape
         # Room for every token, plus a full draft verified past the budget's end.
         length = prompt + plan.max_new_tokens + self.draft_length.high + self.draft_length.extra + 2

@@ -6,13 +6,14 @@ served by :class:`~hf_accel.compiled_step.CompiledDecodeStep`: the model's forwa
 compiled one kind at a time (regional compilation: one layer's graph serves all of them), inductor's C++ code
 on CPU, CUDA graphs (``mode="reduce-overhead"``) on CUDA. On CPU in fp32 the Linear layers are first moved
 onto prepacked oneDNN weights (as ``compile="onednn_prepack"``), which inductor calls as opaque kernels. The
-speculative loop compiles its own forwards with the same settings (the target's verification chunks and a
-draft model's steps). The prompt (prefill) stays eager.
+speculative loop runs its target's verification chunks through the same step and compiles a draft model's
+steps with the same settings. The prompt (prefill) stays eager.
 
-When to compile is ``compile_when``: ``"auto"`` runs layers eagerly until waiting has cost as much as
-compiling is expected to take (see :mod:`hf_accel.compile_policy`), ``"first_use"`` compiles when a call first
-needs a shape. Compiled artifacts persist in ``compile_cache`` (default: ``HF_ACCEL_CACHE`` or
-``~/.cache/hf_accel``; ``False``: not kept).
+When to compile is ``compile_when``: ``"auto"`` runs layers eagerly until what a compiled graph would have
+saved them exceeds the time compiling is expected to take (see :mod:`hf_accel.compile_policy`),
+``"first_use"`` compiles when a call first needs a shape. Compiled code persists in ``compile_cache``
+(default: ``HF_ACCEL_CACHE``, else ``$XDG_CACHE_HOME/hf_accel``, else ``~/.cache/hf_accel``; ``False``: not
+kept).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from hf_accel.compile_cache import CompileStore
 from hf_accel.compile_policy import CompilePolicy
 from hf_accel.compiled_step import BF16_CHECK_TOLERANCE, CHECK_TOLERANCE, CompiledDecodeStep
 from hf_accel.kv_cache import PreallocatedLayer
-from hf_accel.regions import decoder_layers
+from hf_accel.regions import decoder_layers, is_routed
 from hf_accel_plugins.compile_onednn import pack_linears
 
 
@@ -44,8 +45,8 @@ def install(context: PatchContext) -> None:
                               tolerance=BF16_CHECK_TOLERANCE if low_precision else CHECK_TOLERANCE,
                               policy=CompilePolicy(when=context.option("compile_when", "auto")),
                               store=_store(context.option("compile_cache", True)))
-    context.report.details["serves"] = ("stock generate's decode steps; the speculative loop compiles its own "
-                                        "forwards with these settings (its report: speculative 'compiled')")
+    context.report.details["serves"] = ("stock generate's decode steps and the speculative loop's verification "
+                                        "chunks; a draft model's compiled steps are in the speculative report")
     step.install(context.changes)
     context.changes.on_undo(step.release)
     context.changes.setattr(state, "compiled_step", step)
@@ -82,7 +83,7 @@ def why_unsuitable(context: PatchContext) -> str | None:
         regions = decoder_layers(model)
     except ValueError as exc:
         return str(exc)
-    if any("forward" in vars(region.layer) for region in regions):
+    if any("forward" in vars(region.layer) and not is_routed(region.layer) for region in regions):
         return ("its decoder layers' forward is wrapped on the instance (accelerate hooks?), which compiling would "
                 "bypass")
     cache = context.state.kv_cache

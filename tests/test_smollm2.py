@@ -48,7 +48,8 @@ def test_patched_greedy_output_equals_stock_on_every_shipped_prompt(smollm2):
         hf_accel.unpatch(model)
 
 
-def test_the_default_patch_runs_its_first_calls_eagerly_and_identically(smollm2):
+def test_the_default_patch_runs_its_first_calls_eagerly_and_identically(smollm2, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ACCEL_CACHE", str(tmp_path))  # a machine that never compiled this model
     model, tokenizer = smollm2
     inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()[:2]]
     expected = [greedy(model, x, 48) for x in inputs]
@@ -57,7 +58,8 @@ def test_the_default_patch_runs_its_first_calls_eagerly_and_identically(smollm2)
         for x, want in zip(inputs, expected):
             assert torch.equal(greedy(model, x, 48), want)
         compiled = hf_accel.report(model)["compile"].details
-        assert compiled["when"] == "auto" and compiled["compile_seconds"] < 5  # a cache hit at most
+        assert compiled["when"] == "auto" and compiled["graphs_compiled"] == 0 and compiled["eager_steps"] > 0
+        assert all(status.startswith("eager for now") for status in compiled["shapes"].values())
     finally:
         hf_accel.unpatch(model)
 
