@@ -149,7 +149,7 @@ def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_t
     if config.patch_kwargs is not None:
         # Steady state: compile in the warm-up, as a server that warms up would (compile_when="first_use");
         # `hf-accel bench --cold` measures how the default gets there.
-        patch(model, **{**_compile_at_once(), **config.patch_kwargs})
+        patch(model, **{**compile_at_once(), **config.patch_kwargs})
         name += _not_applied(model, config.patch_kwargs)
     setup = time.perf_counter() - start
     rows = []
@@ -190,7 +190,7 @@ def _run_config(model, config, prompts, encoded, max_new_tokens, repeat, stock_t
     return rows
 
 
-def _compile_at_once() -> dict[str, Any]:
+def compile_at_once() -> dict[str, Any]:
     """``compile_when="first_use"`` where a registered backend takes that option (none may: a plugin disabled)."""
     from .backends import BackendRegistry
     from .plugins import get_plugin_manager

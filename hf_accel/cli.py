@@ -290,8 +290,10 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
                ("hf_accel patch(model) without speculation", {"speculative": None})]
     configs += [(f"hf_accel quantize={q} + kv_cache + compile", {"quantize": q, "speculative": None,
                                                                   "keep_original": True}) for q in schemes]
+    from .bench import compile_at_once
+
     for name, kwargs in configs:
-        patch(model, **kwargs)
+        patch(model, **{**compile_at_once(), **kwargs})  # a compiled step measures compiled, not waiting to be
         try:
             row = measure(name)
             row.compile_s = report(model)["compile"].details.get("compile_seconds")

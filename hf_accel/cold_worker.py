@@ -70,24 +70,31 @@ def calls(spec: dict) -> dict:
                                                tokenize=False) for p in prompts]
         encoded.append((max_new_tokens, tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)))
 
-    def run_all() -> list[dict]:
+    def run_all(compiled_seconds=lambda: 0.0) -> list[dict]:
         results = []
         for max_new_tokens, inputs in encoded:
-            start = time.perf_counter()
+            compiled_before, start = compiled_seconds(), time.perf_counter()
             with torch.no_grad():
                 out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
             results.append({"seconds": time.perf_counter() - start, "batch": int(inputs["input_ids"].shape[0]),
                             "prompt_tokens": int(inputs["input_ids"].shape[1]), "max_new_tokens": max_new_tokens,
+                            "compile_s": compiled_seconds() - compiled_before,
                             "token_ids": out[:, inputs["input_ids"].shape[1]:].tolist()})
         return results
 
     stock = run_all()
     import hf_accel
 
+    def compiled_seconds() -> float:
+        """Seconds this model's compiled steps (the target's, a draft's) have spent compiling."""
+        report = hf_accel.report(model)
+        steps = [report["compile"].details, *report["speculative"].details.get("compiled", {}).values()]
+        return sum(step.get("compile_seconds", 0.0) for step in steps)
+
     start = time.perf_counter()
     model = hf_accel.patch(model, **spec["patch"])
     patch_s = time.perf_counter() - start
-    return {"stock": stock, "patched": run_all(), "patch_s": patch_s}
+    return {"stock": stock, "patched": run_all(compiled_seconds), "patch_s": patch_s}
 
 
 if __name__ == "__main__":

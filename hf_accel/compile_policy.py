@@ -1,9 +1,9 @@
 """When to compile a shape class of decoder layers: at first use, or once waiting for it has cost enough.
 
 Until a shape class is compiled its layers run eagerly on the patch's other backends (prepacked weights,
-the static cache, speculation), which is already most of the speedup: on SmolLM2 on a 2-core CPU the eager
-speculative loop runs ~2.5x stock and the compiled one ~3x. So a short script, or the first call of a
-notebook, need not wait for a compiler; a long-running process should compile soon.
+the static cache, speculation), which is already most of the speedup: on SmolLM2 on a 2-core CPU the loop
+over prepacked weights ran 2.79x stock uncompiled and 3.13x compiled (docs/benchmarks.md). So a short script,
+or the first call of a notebook, need not wait for a compiler; a long-running process should compile soon.
 
 ``when="auto"`` is the ski-rental rule: compile a shape class once running eagerly has lost, in the time a
 compiled graph would have saved, as much as compiling is expected to take. What counts as lost is the
@@ -27,9 +27,10 @@ COLD_COMPILE_SECONDS = 10.0
 #: The same for shape classes whose artifacts this machine has (measured: 2.3 s for a process's first graph,
 #: 0.5 s for later ones); used until the store has measured a warm compile of its own.
 WARM_COMPILE_SECONDS = 2.0
-#: What compiling saves of an eager decode step: the compiled speculative loop against the eager one on
-#: SmolLM2, side by side (51.1 against 42.0 tok/s, docs/benchmarks.md): 18%.
-SAVED_FRACTION = 0.18
+#: What compiling saves of an eager decode step: on SmolLM2, side by side in one `hf-accel bench` run
+#: (docs/benchmarks.md), the default patch compiled made 50.1 tok/s and its loop over the same prepacked
+#: weights uncompiled (``compile="onednn_prepack"``) 44.6: 11% less time.
+SAVED_FRACTION = 0.11
 
 WHEN = ("auto", "first_use")
 
@@ -63,12 +64,10 @@ class CompilePolicy:
         seconds, source = estimate
         if self.when == "first_use":
             return Decision(True, f"compiled at first use (compile_when='first_use'; {source})")
-        lost = (eager_seconds + call_remaining) * self.saved_fraction
-        if lost >= seconds:
-            counted = f"{eager_seconds:.1f} s eager so far" + (
-                f" and ~{call_remaining:.1f} s expected in this call" if call_remaining else "")
-            return Decision(True, f"compiled: {counted} would lose ~{lost:.1f} s, more than the ~{seconds:.1f} s "
-                                  f"compiling takes ({source})")
+        lost, expected = eager_seconds * self.saved_fraction, call_remaining * self.saved_fraction
+        account = f"waiting has lost ~{lost:.1f} s so far" + (
+            f" and would lose ~{expected:.1f} s more in this call" if call_remaining else "")
+        if lost + expected >= seconds:
+            return Decision(True, f"compiled: {account}, more than the ~{seconds:.1f} s compiling takes ({source})")
         return Decision(False, f"eager for now: compiling is expected to take ~{seconds:.1f} s ({source}); "
-                               f"running eagerly has lost ~{lost:.1f} s so far (compile_when='first_use' compiles "
-                               "at once)")
+                               f"{account} (compile_when='first_use' compiles at once)")

@@ -178,8 +178,9 @@ class RollbackStaticLayer(StaticLayer):
 
 class RollbackStaticCache(Cache):
     """A fixed-length cache of :class:`RollbackStaticLayer` (every layer full length, sliding-window ones
-    too, so rows can be realigned; the window is applied by the mask): the speculative loop's cache when
-    its forward passes are compiled. The attention mask given with it spans all ``max_cache_len`` slots.
+    too, so rows can be realigned; the window is applied by the mask): the cache of every decode step that
+    runs through a compiled step (stock ``generate``'s and the speculative loop's). The attention mask given
+    with it spans all ``max_cache_len`` slots.
 
     Example::
 

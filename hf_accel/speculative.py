@@ -501,10 +501,10 @@ def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> 
 class SpeculativeRunner:
     """Installed as ``state.runner`` by a speculative backend; runs each generate call it can cover.
 
-    Where the patch has a compiled decode step (``compile=``), the loop's forward passes after the prompt
-    (the target's verification chunks and a draft model's steps) run compiled over fixed-length
-    :class:`~hf_accel.kv_cache.RollbackStaticCache` caches, one compiled forward per model; otherwise eagerly
-    over the patch's KV cache.
+    Where the patch has a compiled decode step (``compile=``), the loop's forward passes after the prompt run
+    through it over fixed-length :class:`~hf_accel.kv_cache.RollbackStaticCache` caches: the target's
+    verification chunks through the patch's step, a draft model's steps through one of its own (their layers
+    compiled when the compile policy says so, eager until then); otherwise eagerly over the patch's KV cache.
     """
 
     def __init__(self, make_drafter: DrafterFactory, details: dict[str, Any], draft_length: DraftLength) -> None:

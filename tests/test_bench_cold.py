@@ -59,7 +59,7 @@ def test_bad_lengths_are_refused_before_any_process_starts(lengths, message, cap
 
 def test_calls_in_one_process_are_set_against_stocks_same_call():
     pairs = [bench_cold.CallPair("warm", 3, 3, 40, 48, stock_s=6.0, patched_s=2.5, identical=True),
-             bench_cold.CallPair("cold", 5, 2, 60, 200, stock_s=14.0, patched_s=15.5, identical=False)]
+             bench_cold.CallPair("cold", 5, 2, 60, 200, stock_s=14.0, patched_s=15.5, identical=False, compile_s=9.0)]
     table = bench_cold.format_calls_table(pairs)
-    assert "| warm   | 3    | 3     | 40            | 48      | 6.0     | 2.5       | -3.5" in table
-    assert "| +1.5              | NO        |" in table
+    assert "| warm   | 3    | 3     | 40            | 48      | 6.0     | 2.5       | 0.0" in table
+    assert "| 9.0                  | +1.5              | NO        |" in table

@@ -283,7 +283,9 @@ def test_the_policy_weighs_eager_time_lost_against_the_compile_estimate():
     policy = CompilePolicy(saved_fraction=0.2)
     assert not policy.decide((5.0, "cold"), eager_seconds=10.0).compile  # lost 2 s < 5 s
     assert policy.decide((5.0, "cold"), eager_seconds=10.0, call_remaining=15.0).compile  # lost 5 s
-    assert "lost ~2.0 s so far" in policy.decide((5.0, "cold"), eager_seconds=10.0).reason
+    assert "waiting has lost ~2.0 s so far (" in policy.decide((5.0, "cold"), eager_seconds=10.0).reason
+    assert "~2.0 s so far and would lose ~3.0 s more in this call, more than the ~5.0 s" in policy.decide(
+        (5.0, "cold"), eager_seconds=10.0, call_remaining=15.0).reason
     assert CompilePolicy(when="first_use").decide((500.0, "cold"), eager_seconds=0).compile
     with pytest.raises(ValueError, match="compile_when='soon' is not one of 'auto', 'first_use'"):
         CompilePolicy(when="soon")
