@@ -7,7 +7,7 @@ Example::
     print(hf_accel.report(model))
 """
 
-from .backends import Backend, Capabilities, PatchContext
+from .backends import Backend, Capabilities, Option, PatchContext
 from .errors import BackendUnavailableError, PatchError, VerificationError
 from .features import FEATURE_NAMES, FEATURES
 from .hookspecs import hookimpl
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "BackendStatus", "BackendUnavailableError", "Capabilities", "FEATURES", "FEATURE_NAMES",
-    "FeatureReport", "PatchContext", "PatchError", "PatchReport", "VerificationError", "available_backends",
+    "FeatureReport", "Option", "PatchContext", "PatchError", "PatchReport", "VerificationError", "available_backends",
     "check_arguments",
     "hookimpl", "patch", "report", "unpatch",
 ]

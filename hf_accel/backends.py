@@ -37,6 +37,48 @@ class Capabilities:
     softcap: bool = True
 
 
+@dataclass(frozen=True)
+class Option:
+    """A backend option of ``patch()``: its default, and which values it takes (checked at ``patch`` time,
+    before anything changes).
+
+    :param default: what the backend uses when the user passes nothing.
+    :param accepts: whether a value is valid.
+    :param expected: the valid values in words, for the error ("an integer of at least 1").
+
+    Example::
+
+        Backend(..., options={"cache_bucket": Option.integer(256), "compile_when": Option.choice("auto", "first_use")})
+    """
+
+    default: Any
+    accepts: Callable[[Any], bool]
+    expected: str
+
+    @classmethod
+    def integer(cls, default: int, minimum: int = 1) -> Option:
+        return cls(default, lambda v: _is_int(v) and v >= minimum, f"an integer of at least {minimum}")
+
+    @classmethod
+    def choice(cls, default: Any, *choices: Any) -> Option:
+        """One of ``default`` and ``choices``."""
+        values = (default, *choices)
+        return cls(default, lambda v: any(v == c and type(v) is type(c) for c in values),
+                   f"one of {', '.join(map(repr, values))}")
+
+    @classmethod
+    def flag(cls, default: bool) -> Option:
+        return cls(default, lambda v: isinstance(v, bool), "True or False")
+
+    @classmethod
+    def any_of(cls, default: Any, accepts: Callable[[Any], bool], expected: str) -> Option:
+        return cls(default, accepts, expected)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass
 class PatchContext:
     """Everything a backend sees while it is chosen and applied.
@@ -62,7 +104,8 @@ class PatchContext:
         return self.state.dtype
 
     def option(self, name: str, default: Any = None) -> Any:
-        """The user's ``patch(..., name=value)``, or ``default``."""
+        """The user's ``patch(..., name=value)``, or ``default`` (checked against the backends' :class:`Option`
+        declarations before any backend runs)."""
         return self.options.get(name, default)
 
 
@@ -87,7 +130,8 @@ class Backend:
     :param tolerance: the verification bound for a lossy backend (relative logit error).
     :param probe: how verification exercises it: a ``"forward"`` pass, a short greedy ``"generate"``, or not at all.
     :param variants: other values of the feature that select it (``quantize="int8"``).
-    :param options: extra ``patch()`` keyword options it reads, with their defaults.
+    :param options: extra ``patch()`` keyword options it reads: an :class:`Option` (default and valid values,
+        checked at ``patch`` time) or a bare default (not checked).
     :param install: what to install when ``why_unavailable`` says something is missing.
     """
 
@@ -213,4 +257,12 @@ class BackendRegistry:
 
     def option_names(self) -> set[str]:
         return {name for backend in self for name in backend.options}
+
+    def option_problem(self, name: str, value: Any) -> str | None:
+        """Why ``patch(..., name=value)`` is not valid for every backend that declares the option, or None."""
+        for backend in self:
+            spec = backend.options.get(name)
+            if isinstance(spec, Option) and not spec.accepts(value):
+                return f"expected {spec.expected} (backend {backend.name!r})"
+        return None
 

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from .generation import cache_keyword
 from .kv_cache import PreallocatedCache
 
 
@@ -60,6 +61,8 @@ class CachedLM:
         masked slots. Only a drafter uses it, where a hole costs speed but never correctness.
         """
         m = ids.shape[1]
+        if self._fixed_length is not None and self.mask.shape[1] + m > self._fixed_length:
+            self._compact()
         chunk_mask = self.mask.new_ones(self.batch_size, m) if valid is None else valid.long()
         positions = self.mask.sum(-1, keepdim=True) + (chunk_mask.cumsum(-1) - 1).clamp_min(0)
         self.mask = torch.cat([self.mask, chunk_mask], dim=-1)
@@ -93,8 +96,8 @@ class CachedLM:
         step = self.step if step is None else step
         # logits_to_keep=0 means all: a constant, where the chunk's width would be one more number to specialize on.
         kwargs = {"logits_to_keep": 0 if keep == ids.shape[1] else keep} if self._supports_logits_to_keep else {}
-        out = step(input_ids=ids, attention_mask=self._full_mask(), position_ids=positions,
-                   past_key_values=self.cache, use_cache=True, **kwargs)
+        kwargs[cache_keyword(self.model)] = self.cache
+        out = step(input_ids=ids, attention_mask=self._full_mask(), position_ids=positions, use_cache=True, **kwargs)
         return out.logits[:, -keep:].float()
 
     def _full_mask(self) -> torch.Tensor:
@@ -105,6 +108,25 @@ class CachedLM:
         if self.mask.shape[1] > self._fixed_length:
             raise RuntimeError(f"the static cache holds {self._fixed_length} positions and this call needs more")
         return torch.nn.functional.pad(self.mask, (0, self._fixed_length - self.mask.shape[1]))
+
+    def _compact(self) -> None:
+        """Pack each row's real slots to the right, keeping their order, and drop the columns no row uses.
+
+        The mask grows by the most any row keeps per step, so rows that accept fewer tokens gather padding
+        (and a drafter's rows holes); a fixed-length cache is sized for one row's tokens, so it packs them
+        before it would overflow. For rows without holes this is one shift of every row: slot distances, and
+        so sliding windows, are unchanged.
+        """
+        length = self.mask.shape[1]
+        # Stable sort of 0/1: each row's padding and holes first, its real slots after them in their order.
+        order = self.mask.argsort(dim=-1, stable=True)
+        unused = int((self.mask == 0).sum(-1).min())
+        source = order.roll(-unused, dims=-1)  # slot t takes what sorted slot t + unused holds
+        for layer in self.cache.layers:
+            layer.gather_positions(source)
+        self.cache.crop(-unused)
+        self.mask = self.mask.gather(1, source)[:, : length - unused]
+        self.realignments += 1
 
     def _realign(self, shift: torch.Tensor) -> None:
         """Move each row's slots right by ``shift[row]``, turning its dropped tail into left padding."""

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from . import __version__, available_backends, check_arguments, patch, report, unpatch
+from .errors import PatchError
 from .models import ModelNotFoundError, default_model_file, load_default_model, load_model
 from .prompts import encode_chat, load_prompts
 from .timing import timed_generate
@@ -29,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         return args.func(args)
-    except (CLIError, ModelNotFoundError, ValueError) as exc:
+    except (CLIError, ModelNotFoundError, ValueError, PatchError) as exc:
         print(f"hf-accel {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -39,6 +39,7 @@ from transformers.generation import CompileConfig
 from .changes import Changes
 from .compile_cache import CompileStore, Stored, fingerprint
 from .compile_policy import CompilePolicy, Decision
+from .generation import cache_keyword
 from .kv_cache import RollbackStaticCache
 from .regions import (ACTIVE_RUN, FilledLayerView, LayerCacheView, Region, RegionRun, ShapeClass, cache_argument,
                       decoder_layers, hidden_states_of, is_routed, route, shape_class, side_inputs, tensors_in,
@@ -199,8 +200,10 @@ class CompiledDecodeStep:
 
     # -- what generate is given ---------------------------------------------------------------------------
     def generate_kwargs(self, batch_size: int, needed_length: int) -> dict[str, Any]:
-        """``past_key_values`` and ``compile_config`` for a ``generate`` call of this batch size and length."""
-        return {"past_key_values": self.cache_for(batch_size, needed_length), "compile_config": self.compile_config}
+        """The cache (``cache=``, or ``past_key_values=`` before transformers 5.24) and ``compile_config`` for a
+        ``generate`` call of this batch size and length."""
+        return {cache_keyword(self.model): self.cache_for(batch_size, needed_length),
+                "compile_config": self.compile_config}
 
     def cache_for(self, batch_size: int, needed_length: int) -> Cache:
         """The cache for this batch size, emptied; reallocated (one bucket larger) only when it is too short.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -59,7 +60,7 @@ class GenerateCall:
                 step.end_call(made)
             return out
         if shape is not None and (cache := self.reusable_cache()) is not None:
-            kwargs["past_key_values"] = cache
+            kwargs[cache_keyword(self.model)] = cache
         return self.state.original_generate(*self.args, **kwargs)
 
     def _served_shape(self, kwargs: dict[str, Any]) -> _CallShape | None:
@@ -91,6 +92,18 @@ class GenerateCall:
         return cache
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword transformers reads a KV cache from, in ``forward`` and ``generate`` alike: ``cache`` from
+    5.24 on (``past_key_values`` is deprecated there, to be removed in 5.40 and 6.0), ``past_key_values``
+    before."""
+    return _cache_keyword(type(model))
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def _brings_a_cache(kwargs: dict[str, Any]) -> bool:
     """Whether a call brings its own cache (``past_key_values``, or ``cache`` from transformers 5.24) or
     cache implementation."""
@@ -106,7 +119,8 @@ def make_patched_generate(model: PreTrainedModel, original: Callable[..., Any]) 
         state = get_state(model)
         if state is None:  # unpatched while a reference to this function was kept
             return original(*args, **kwargs)
-        return run_generate(state, args, kwargs)
+        with state.lock:  # the patch's caches, compiled steps and draft lengths serve one call at a time
+            return run_generate(state, args, kwargs)
 
     return generate
 

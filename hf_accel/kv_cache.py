@@ -128,7 +128,7 @@ class PreallocatedCache(Cache):
     Example::
 
         cache = PreallocatedCache(model.config, capacity=1024)
-        model.generate(**inputs, past_key_values=cache, max_new_tokens=128)
+        model.generate(**inputs, cache=cache, max_new_tokens=128)   # past_key_values= before transformers 5.24
     """
 
     def __init__(self, config, capacity: int = 0, layer_class: type[PreallocatedLayer] = PreallocatedLayer) -> None:

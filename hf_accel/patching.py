@@ -13,7 +13,7 @@ from .changes import Changes
 from .errors import BackendUnavailableError, PatchError, VerificationError
 from .features import FEATURE_NAMES, get_feature
 from .generation import make_patched_generate, run_generate
-from .plugins import extra_plugins, get_plugin_manager
+from .plugins import get_plugin_manager, plugin_manager_with
 from .report import FeatureReport, PatchReport, Verification
 from .state import STATE_ATTR, PatchState, get_state
 from .unwrap import unwrap_model
@@ -54,23 +54,27 @@ def patch(
     :param options: backend options (see ``hf_accel.available_backends()``); unknown names raise ``ValueError``.
     """
     target = unwrap_model(model)
-    if get_state(target) is not None:
-        logger.info("%s is already patched; call hf_accel.unpatch(model) first to patch it differently",
-                    type(target).__name__)
-        return model
     requests = {"quantize": quantize, "attention": attention, "kv_cache": kv_cache, "compile": compile,
                 "speculative": speculative}
-    with extra_plugins(plugins) as pm:
-        registry = BackendRegistry.collect(pm)
-        _validate(requests, options, registry)
-        transaction = _Transaction(target, pm, registry, options, verify)
-        try:
-            for feature in FEATURE_NAMES:
-                transaction.run_phase(feature, requests[feature])
-            transaction.install()
-        except BaseException:
-            transaction.rollback()
-            raise
+    arguments = {**requests, "verify": verify, "plugins": tuple(plugins), **options}
+    existing = get_state(target)
+    if existing is not None:
+        if _same_arguments(existing.arguments, arguments):
+            logger.info("%s is already patched with these arguments", type(target).__name__)
+            return model
+        raise ValueError(f"{type(target).__name__} is already patched with {_argument_text(existing.arguments)}; call "
+                         f"hf_accel.unpatch(model) first to patch it with {_argument_text(arguments)}")
+    pm = plugin_manager_with(plugins)
+    registry = BackendRegistry.collect(pm)
+    _validate(requests, options, registry)
+    transaction = _Transaction(target, pm, registry, options, verify, arguments)
+    try:
+        for feature in FEATURE_NAMES:
+            transaction.run_phase(feature, requests[feature])
+        transaction.install()
+    except BaseException:
+        transaction.rollback()
+        raise
     for changes in transaction.state.changes:
         changes.commit()
     logger.info("patched %s: %s", type(target).__name__,
@@ -146,22 +150,35 @@ def check_arguments(plugins: Iterable[Any] = (), **arguments: Any) -> None:
     """
     requests = {f: arguments.pop(f) for f in FEATURE_NAMES if f in arguments}
     arguments.pop("verify", None)
-    with extra_plugins(plugins) as pm:
-        _validate(requests, arguments, BackendRegistry.collect(pm))
+    _validate(requests, arguments, BackendRegistry.collect(plugin_manager_with(plugins)))
 
 
 def _validate(requests: Mapping[str, Any], options: Mapping[str, Any], registry: BackendRegistry) -> None:
     for feature, request in requests.items():
-        if isinstance(request, str) and request not in registry.valid_requests(feature):
+        valid = registry.valid_requests(feature)
+        if isinstance(request, str) and request not in valid:
             raise ValueError(
-                f"Unknown {feature} backend {request!r}; valid values: None, "
-                f"{', '.join(map(repr, registry.valid_requests(feature)))}. "
+                f"Unknown {feature} backend {request!r}; valid values: None, {', '.join(map(repr, valid))}. "
                 "Run `hf-accel doctor` to see every registered backend."
             )
+        if not isinstance(request, (str, bool, type(None))) and not _is_draft_model(feature, request):
+            draft = " or a draft model (a transformers PreTrainedModel)" if feature == "speculative" else ""
+            raise ValueError(f"patch() argument {feature}={request!r} is not valid: expected None, False, True, "
+                             f"{', '.join(map(repr, valid))}{draft}")
     unknown = sorted(set(options) - registry.option_names())
     if unknown:
         valid = ", ".join(sorted(registry.option_names())) or "none"
         raise ValueError(f"Unknown patch() option(s) {', '.join(map(repr, unknown))}; valid options: {valid}")
+    for name, value in options.items():
+        problem = registry.option_problem(name, value)
+        if problem:
+            raise ValueError(f"patch() option {name}={value!r} is not valid: {problem}")
+
+
+def _is_draft_model(feature: str, request: Any) -> bool:
+    from transformers import PreTrainedModel
+
+    return feature == "speculative" and isinstance(request, PreTrainedModel)
 
 
 def _empty_report(model: torch.nn.Module) -> PatchReport:
@@ -170,6 +187,24 @@ def _empty_report(model: torch.nn.Module) -> PatchReport:
     dtype = str(param.dtype).removeprefix("torch.") if param is not None else "?"
     return PatchReport(model=type(model).__name__, device=device, dtype=dtype,
                        features={name: FeatureReport(name) for name in FEATURE_NAMES})
+
+
+def _same_arguments(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Equal keys and values (objects such as draft models compared by identity)."""
+    if a.keys() != b.keys():
+        return False
+    for key in a:
+        x, y = a[key], b[key]
+        if x is not y and (type(x) is not type(y) or not isinstance(x, (str, int, float, bool, tuple, list))
+                           or x != y):
+            return False
+    return True
+
+
+def _argument_text(arguments: Mapping[str, Any]) -> str:
+    shown = {k: v for k, v in arguments.items() if k != "plugins" or v}
+    return ", ".join(f"{k}={v!r}" if not isinstance(v, torch.nn.Module) else f"{k}=<{type(v).__name__}>"
+                     for k, v in shown.items())
 
 
 def _model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -192,14 +227,15 @@ def _undo_all(changes: list[Changes]) -> None:
 class _Transaction:
     """Applies one feature after another, verifying each, and can roll all of them back."""
 
-    def __init__(self, model, pm, registry: BackendRegistry, options: Mapping[str, Any], verify: bool) -> None:
+    def __init__(self, model, pm, registry: BackendRegistry, options: Mapping[str, Any], verify: bool,
+                 arguments: Mapping[str, Any]) -> None:
         device, dtype = _model_device_dtype(model)
         self.model = model
         self.registry = registry
         self.options = options
         self.verify = verify
         self.state = PatchState(model=model, pm=pm, device=device, dtype=dtype, report=_empty_report(model),
-                                original_generate=model.generate)
+                                original_generate=model.generate, arguments=dict(arguments))
         self._probe: ProbeInputs | None = None
         self._reference: dict[str, torch.Tensor] = {}
 

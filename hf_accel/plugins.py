@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from importlib.metadata import entry_points
@@ -62,18 +61,22 @@ def _names_from_env(variable: str) -> set[str] | None:
     return {name.strip() for name in value.split(",") if name.strip()}
 
 
-@contextlib.contextmanager
-def extra_plugins(plugins: Iterable[Any]) -> Iterator[pluggy.PluginManager]:
-    """The plugin manager with ``plugins`` registered for the duration of the block."""
-    pm = get_plugin_manager()
-    added = [p for p in plugins if not pm.is_registered(p)]
-    for plugin in added:
-        pm.register(plugin)
-    try:
-        yield pm
-    finally:
-        for plugin in added:
-            pm.unregister(plugin)
+def plugin_manager_with(plugins: Iterable[Any]) -> pluggy.PluginManager:
+    """The process-wide plugin manager; with ``plugins``, a manager of their own that holds the process-wide
+    plugins and these. A model patched with it keeps it, so its ``generate`` calls reach these plugins too,
+    and the process-wide manager (other models, other threads) never sees them."""
+    plugins = list(plugins)
+    base = get_plugin_manager()
+    if not plugins:
+        return base
+    pm = pluggy.PluginManager("hf_accel")
+    pm.add_hookspecs(hookspecs)
+    for name, plugin in base.list_name_plugin():
+        pm.register(plugin, name=name)
+    for plugin in plugins:
+        if not pm.is_registered(plugin):
+            pm.register(plugin)
+    return pm
 
 
 def plugin_names() -> list[str]:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .backends import PatchContext
+from .backends import Option, PatchContext
 
 #: Module types that are a matrix product with a weight: nn.Linear, and GPT-2's Conv1D (weight stored [in, out]).
 LINEAR_TYPES = (nn.Linear, Conv1D)
@@ -76,6 +76,29 @@ def record_quantization(context: PatchContext, scheme: str) -> None:
         context.changes.forget_on_commit(
             f"its weights were quantized ({scheme}) and the originals freed; "
             "patch with keep_original=True to be able to unpatch")
+
+
+def _is_patterns(value: object) -> bool:
+    """None, a regular expression, or a list of them, each one that compiles."""
+    if value is None:
+        return True
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(p, str) for p in items):
+        return False
+    try:
+        [re.compile(p) for p in items]
+    except re.error:
+        return False
+    return True
+
+
+#: The options every quantization backend reads: which modules (regular expressions on qualified names) and
+#: whether to keep the originals so that ``unpatch`` can restore them.
+SELECTION_OPTIONS = {
+    "include": Option.any_of(None, _is_patterns, "None, a regular expression or a list of them"),
+    "skip": Option.any_of(None, _is_patterns, "None, a regular expression or a list of them"),
+    "keep_original": Option.flag(False),
+}
 
 
 def _patterns(value: str | Sequence[str] | None) -> list[re.Pattern]:

@@ -48,6 +48,10 @@ class Draft:
     def width(self) -> int:
         return self.tokens.shape[1]
 
+    def only(self, rows: torch.Tensor) -> Draft:
+        """The same proposals for ``rows`` (``[batch]`` bool), none for the others."""
+        return Draft(self.tokens, self.lengths.masked_fill(~rows, 0), self.probs)
+
     def trimmed(self, limit: int) -> Draft:
         """At most ``limit`` tokens per row, without columns no row uses (the target need not verify them)."""
         lengths = self.lengths.clamp_max(limit)
@@ -199,12 +203,14 @@ class SpeculativeLoop:
 
     def _step(self) -> None:
         length = self.draft_length
-        draft = self.drafter.propose(self, length.k).trimmed(length.k + length.extra)  # what the caches have room for
+        active = ~self.finished
+        draft = self.drafter.propose(self, length.k).only(active)
+        draft = draft.trimmed(length.k + length.extra)  # what the caches have room for
         chunk = torch.cat([torch.stack([row[-1] for row in self.rows])[:, None], draft.tokens], dim=1)
         logits = self.target.extend(chunk)  # position j predicts what follows chunk[:, j]
         kept, tokens, scores = self._accept(logits, draft)
-        self.target.keep(kept + 1)  # the previous newest token and the accepted drafts
-        active = ~self.finished
+        # Running rows keep the previous newest token and the accepted drafts; rows that ended keep nothing.
+        self.target.keep(torch.where(active, kept + 1, 0))
         self.stats.target_forwards += int(active.sum())
         self.stats.drafted += int(draft.lengths[active].sum())
         self.stats.accepted += int(kept[active].sum())
@@ -300,7 +306,7 @@ def accept_sampled(p: torch.Tensor, draft: Draft, in_draft: torch.Tensor) -> tup
         q = draft.probs.to(p.dtype)
     p_x = p[:, :width].gather(2, draft.tokens[..., None])[..., 0]
     q_x = q.gather(2, draft.tokens[..., None])[..., 0]
-    ok = torch.rand(batch, width, device=p.device) * q_x <= p_x  # u < p/q without dividing by zero
+    ok = torch.rand(batch, width, device=p.device) * q_x < p_x  # u < p/q (u in [0, 1)) without dividing by zero
     ok &= in_draft & (q_x > 0)
     kept = ok.long().cumprod(-1).sum(-1)
     rows = torch.arange(batch, device=p.device)
@@ -484,7 +490,14 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         attention_mask = _infer_attention_mask(input_ids, config)
     if extra["streamer"] is not None and input_ids.shape[0] > 1:
         return "a streamer with batch > 1 (streamers take one row)"
-    processors = LogitsProcessorList([*(extra["logits_processor"] or []), *sampling_processors(config)])
+    if (config.output_scores or config.output_logits) and input_ids.shape[0] > 1:
+        # Stock keeps scoring rows that ended (on padding) until the last row ends; the loop stops running them.
+        return "output_scores/output_logits with batch > 1"
+    # Stock's own list, so a user's processors are merged with the ones it builds exactly as stock merges them.
+    processors = model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+        logits_processor=LogitsProcessorList(extra["logits_processor"] or []), device=input_ids.device,
+        model_kwargs={"attention_mask": attention_mask})
     stopping = StoppingCriteriaList(extra["stopping_criteria"]) if extra["stopping_criteria"] else None
     return CallPlan(input_ids, attention_mask, config, processors, stopping, extra["streamer"], max_new)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -29,6 +30,9 @@ class PatchState:
     dtype: torch.dtype
     report: PatchReport
     original_generate: Callable[..., Any]
+    #: What ``patch`` was called with (features, ``verify``, ``plugins`` and options): patching again with the
+    #: same is a no-op, with others an error.
+    arguments: dict[str, Any] = field(default_factory=dict)
     #: One entry per applied backend, in order; unpatch undoes them newest first.
     changes: list[Changes] = field(default_factory=list)
     #: A loop that replaces stock generate (set by a speculative backend), or None.
@@ -37,6 +41,10 @@ class PatchState:
     kv_cache: Any = None
     #: The compiled decode step stock generate runs (set by a compile backend), or None.
     compiled_step: Any = None
+    #: Held by each generate call: concurrent calls on one model run one at a time, so each returns what it
+    #: would alone (the caches, compiled steps and draft-length state are per model). Calls on different
+    #: models run in parallel. Reentrant: a plugin may call generate from inside a call.
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def __repr__(self) -> str:
         return f"<PatchState of {type(self.model).__name__}: {len(self.changes)} backends applied>"

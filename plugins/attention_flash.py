@@ -48,9 +48,11 @@ def sdpa_flash_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.
         repeat = query.shape[1] // key.shape[1]  # only CUDA's flash and math kernels take GQA natively
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         gqa = False
-    # dynamo cannot trace sdpa_kernel (a graph break per call); compiled graphs on CPU dispatch to the same
-    # flash kernel by themselves.
-    choose = contextlib.nullcontext() if torch.compiler.is_compiling() else sdpa_kernel([kernel])
+    # sdpa_kernel switches process-wide flags (another thread's attention would run under them) and dynamo
+    # cannot trace it. On CPU the default dispatch picks the flash kernel for these calls anyway (masks and
+    # GQA included; tests/test_attention.py checks it), so it is used on CUDA only, outside compiled graphs.
+    explicit = query.device.type != "cpu" and not torch.compiler.is_compiling()
+    choose = sdpa_kernel([kernel]) if explicit else contextlib.nullcontext()
     with choose:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
                                              dropout_p=dropout if module.training else 0.0, scale=scaling,

@@ -18,12 +18,13 @@ kept).
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
-from hf_accel import Backend, PatchContext, hookimpl
+from hf_accel import Backend, Option, PatchContext, hookimpl
 from hf_accel.compile_cache import CompileStore
 from hf_accel.compile_policy import CompilePolicy
 from hf_accel.compiled_step import BF16_CHECK_TOLERANCE, CHECK_TOLERANCE, CompiledDecodeStep
@@ -51,6 +52,10 @@ def install(context: PatchContext) -> None:
     context.changes.on_undo(step.release)
     context.changes.setattr(state, "compiled_step", step)
     context.changes.setattr(model, "get_compiled_call", step.get_compiled_call)
+
+
+def _is_store_setting(value: object) -> bool:
+    return value in (True, False, None) or isinstance(value, (str, os.PathLike))
 
 
 def _store(setting: object) -> CompileStore | None:
@@ -116,7 +121,11 @@ def hf_accel_register_backends(register):
         why_unsuitable=why_unsuitable,
         probe="forward",  # checks the prepacked weights; each compiled graph is checked against eager on first use
         priority=20,
-        options={"prepack": True, "compile_mode": None, "cache_bucket": 256, "compile_when": "auto",
-                 "compile_cache": True},
+        options={"prepack": Option.flag(True),
+                 "compile_mode": Option.choice(None, "default", "reduce-overhead", "max-autotune",
+                                               "max-autotune-no-cudagraphs"),
+                 "cache_bucket": Option.integer(256),
+                 "compile_when": Option.choice("auto", "first_use"),
+                 "compile_cache": Option.any_of(True, _is_store_setting, "True, False, None or a directory path")},
         description="decode step compiled by torch.compile over a fixed-shape static cache (oneDNN weights on CPU)",
     ))

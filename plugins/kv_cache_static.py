@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from hf_accel import Backend, PatchContext, hookimpl
+from hf_accel import Backend, Option, PatchContext, hookimpl
 from hf_accel.cached_lm import CachedLM
+from hf_accel.generation import cache_keyword
 from hf_accel.kv_cache import Int8Layer, PreallocatedCache, PreallocatedLayer
 from hf_accel.verify import ProbeInputs
 
@@ -38,13 +39,15 @@ def int8_cache_cost(model: torch.nn.Module, cache: PreallocatedCache) -> dict[st
     quantized = _extend_logits(model, ids, cache)
     error = ((quantized - reference).abs().max() / reference.abs().max()).item()
     full = PreallocatedCache(model.config)
-    greedy = [model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=c,
+    cache.reset()  # it holds the probe's first half, which generate would take as a prefix
+    greedy = [model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **{cache_keyword(model): c},
                              max_new_tokens=16, do_sample=False, pad_token_id=probe.pad_token_id)
               for c in (full, cache)]
-    n = min(g.shape[1] for g in greedy)
+    start, n = ids.shape[1], min(g.shape[1] for g in greedy)  # generated tokens only, not the prompt
+    agreement = (greedy[0][:, start:n] == greedy[1][:, start:n]).float().mean().item()
     return {"logit_error_vs_full_precision_cache": round(error, 5),
             "top1_agreement": round((quantized.argmax(-1) == reference.argmax(-1)).float().mean().item(), 4),
-            "greedy_agreement_16_tokens": round((greedy[0][:, :n] == greedy[1][:, :n]).float().mean().item(), 4),
+            "greedy_agreement_16_tokens": round(agreement, 4),
             "bytes_per_token": cache.bytes_per_token(), "bytes_per_token_full_precision": full.bytes_per_token()}
 
 
@@ -78,7 +81,7 @@ def hf_accel_register_backends(register):
         why_unsuitable=why_unsuitable,
         probe="generate",
         priority=10,
-        options={"cache_capacity": INITIAL_CAPACITY},
+        options={"cache_capacity": Option.integer(INITIAL_CAPACITY)},
         description="preallocated KV cache written in place and reused across calls",
     ))
     register(Backend(
@@ -88,6 +91,6 @@ def hf_accel_register_backends(register):
         why_unsuitable=why_unsuitable,
         probe=None,  # lossy by design: the backend measures and reports its own cost instead
         lossless=False,
-        options={"cache_capacity": INITIAL_CAPACITY},
+        options={"cache_capacity": Option.integer(INITIAL_CAPACITY)},
         description="the static cache with keys and values stored in int8 (one scale per head and position)",
     ))

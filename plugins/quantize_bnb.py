@@ -16,8 +16,10 @@ import logging
 import torch
 from torch import nn
 
-from hf_accel import Backend, Capabilities, PatchContext, hookimpl
-from hf_accel.quantize import record_quantization, selected_linears, tensor_bytes, weight_and_bias
+from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
+from hf_accel.quantize import (
+    SELECTION_OPTIONS, record_quantization, selected_linears, tensor_bytes, weight_and_bias,
+)
 
 logger = logging.getLogger(__name__)
 SCHEMES = ("nf4", "fp4", "int8")
@@ -79,8 +81,8 @@ def hf_accel_register_backends(register):
         lossless=False,
         tolerance=0.9,  # 4-bit moves logits far (SmolLM2 nf4: 0.77 on the probe, perplexity +18%); this catches broken output
         variants=SCHEMES,
-        options={"include": None, "skip": None, "keep_original": False, "bnb_quant_type": "nf4",
-                 "bnb_double_quant": False},
+        options={**SELECTION_OPTIONS, "bnb_quant_type": Option.choice(*SCHEMES),
+                 "bnb_double_quant": Option.flag(False)},
         install="pip install 'hf_accel[bnb]'",
         description="bitsandbytes LLM.int8 or 4-bit NF4/FP4 Linear layers, converted from the loaded weights",
     ))

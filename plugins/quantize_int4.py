@@ -14,8 +14,10 @@ import logging
 import torch
 from torch import nn
 
-from hf_accel import Backend, Capabilities, PatchContext, hookimpl
-from hf_accel.quantize import record_quantization, selected_embeddings, selected_linears, tensor_bytes, weight_and_bias
+from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
+from hf_accel.quantize import (
+    SELECTION_OPTIONS, record_quantization, selected_embeddings, selected_linears, tensor_bytes, weight_and_bias,
+)
 
 logger = logging.getLogger(__name__)
 GROUP_SIZES = (32, 64, 128, 256)
@@ -135,6 +137,6 @@ def hf_accel_register_backends(register):
         lossless=False,
         tolerance=0.5,
         variants=("int4",),
-        options={"include": None, "skip": None, "keep_original": False, "group_size": 32},
+        options={**SELECTION_OPTIONS, "group_size": Option.choice(*GROUP_SIZES)},
         description="int4 weights in groups of 32 (asymmetric), bf16 activations, aten's int4 CPU kernel",
     ))

@@ -15,7 +15,7 @@ from torch import nn
 
 from hf_accel import Backend, Capabilities, PatchContext, hookimpl
 from hf_accel.quantize import (
-    record_quantization, selected_embeddings, selected_linears, tensor_bytes, weight_and_bias,
+    SELECTION_OPTIONS, record_quantization, selected_embeddings, selected_linears, tensor_bytes, weight_and_bias,
 )
 
 
@@ -111,6 +111,6 @@ def hf_accel_register_backends(register):
         lossless=False,
         tolerance=0.1,
         variants=("int8",),
-        options={"include": None, "skip": None, "keep_original": False},
+        options=SELECTION_OPTIONS,
         description="int8 per-channel weights, bf16 activations, aten's int8 weight-only CPU kernel",
     ))

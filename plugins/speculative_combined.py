@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_accel import Backend, Capabilities, PatchContext, hookimpl
+from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
 from hf_accel.speculative import Draft, DraftLength, SelfDrafter, SpeculativeLoop, install_runner
 from hf_accel_plugins.quantize_int4 import kernel_problem
 from hf_accel_plugins.speculative_model import SELF_DRAFTS, quantized_copy, self_draft_problem, vocab_size
@@ -99,6 +99,6 @@ def hf_accel_register_backends(register):
         capabilities=Capabilities(devices=("cpu",), dtypes=(torch.float32, torch.bfloat16)),
         probe="generate",
         priority=15,
-        options={"ngram_size": 3},
+        options={"ngram_size": Option.integer(3)},
         description="an int4 copy of the target drafts, prompt lookup extends its drafts",
     ))

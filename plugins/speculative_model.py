@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from hf_accel import Backend, Capabilities, PatchContext, hookimpl
+from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
 from hf_accel.quantize import linear_children, weight_and_bias
 from hf_accel.speculative import DraftLength, ModelDrafter, SelfDrafter, install_runner, object_request_problem
 from hf_accel_plugins.quantize_int4 import Int4WeightLinear
@@ -126,7 +126,8 @@ def hf_accel_register_backends(register):
         why_unsuitable=draft_model_problem,
         probe="generate",
         priority=20,
-        options={"draft_model": None},
+        options={"draft_model": Option.any_of(None, lambda v: v is None or isinstance(v, PreTrainedModel),
+                                              "a transformers PreTrainedModel (the draft) or None")},
         description="a smaller model with the same tokenizer drafts, the target verifies",
     ))
     for bits in (8, 4):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_accel import Backend, PatchContext, hookimpl
+from hf_accel import Backend, Option, PatchContext, hookimpl
 from hf_accel.speculative import Draft, DraftLength, SpeculativeLoop, install_runner, object_request_problem
 
 
@@ -61,6 +61,6 @@ def hf_accel_register_backends(register):
         why_unsuitable=object_request_problem,
         probe="generate",
         priority=10,
-        options={"ngram_size": 3, "num_draft_tokens": 10},
+        options={"ngram_size": Option.integer(3), "num_draft_tokens": Option.integer(10)},
         description="prompt lookup: drafts copied from earlier in the prompt and output",
     ))

@@ -107,3 +107,15 @@ def test_sdpa_flash_runs_the_flash_kernel_for_masked_chunks_on_cpu(llama):
     hf_accel.patch(llama, attention="sdpa_flash", speculative=None)
     llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert set(attention_flash.KERNEL_CALLS) == {"flash_attention"}
+
+
+def test_on_cpu_the_default_dispatch_picks_the_flash_kernel_sdpa_flash_relies_on():
+    """sdpa_flash does not switch sdpa_kernel (process-wide flags) on CPU: the default must be flash there."""
+    from torch.nn.attention import SDPBackend
+
+    keys = torch.randn(3, 3, 40, 64)
+    for queries, mask in ((torch.randn(3, 9, 5, 64), torch.ones(3, 1, 5, 40, dtype=torch.bool)),
+                          (torch.randn(3, 9, 1, 64), torch.ones(3, 1, 1, 40, dtype=torch.bool)),
+                          (torch.randn(3, 9, 5, 64), None)):
+        choice = torch._fused_sdp_choice(queries, keys, keys, attn_mask=mask, enable_gqa=True)
+        assert SDPBackend(choice) == SDPBackend.FLASH_ATTENTION

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from hf_accel import models
+import hf_accel
+from hf_accel import cli, models
 from hf_accel.cli import main
 from hf_accel.prompts import CATEGORIES, load_prompts
 
@@ -92,6 +93,19 @@ def test_cli_argument_errors_are_one_clear_line_and_exit_2(argv, message, capsys
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("error", [hf_accel.PatchError("plugin 'x' failed in the kv_cache phase"),
+                                   hf_accel.BackendUnavailableError("attention='flash_attn' cannot run here"),
+                                   hf_accel.VerificationError("attention='wrong' changed the model's outputs")])
+def test_every_hf_accel_error_is_one_line_and_exit_2(error, monkeypatch, capsys):
+    def fails(args):
+        raise error
+
+    monkeypatch.setattr(cli, "cmd_doctor", fails)
+    assert main(["doctor"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"hf-accel doctor: error: {error}\n"
 
 
 def test_bench_rejects_a_malformed_prompts_file(tmp_path, capsys):

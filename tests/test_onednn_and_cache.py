@@ -7,7 +7,9 @@ import torch
 from conftest import assert_same_state, left_padded_batch, make_tiny_model, state_dict_copy
 
 import hf_accel
+from hf_accel.generation import cache_keyword
 from hf_accel.kv_cache import Int8Layer, PreallocatedCache, PreallocatedLayer
+from hf_accel.verify import ProbeInputs
 from hf_accel_plugins.compile_onednn import PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -120,15 +122,23 @@ def test_a_call_with_its_own_cache_is_left_alone(llama):
     assert own.get_seq_length() > 0 and ours.length == before
 
 
-def test_static_int8_cache_stores_a_third_of_the_bytes_and_reports_its_cost(tiny_model):
+def test_static_int8_cache_stores_a_third_of_the_bytes_and_reports_its_cost(tiny_model, arch):
     ids, mask = left_padded_batch(tiny_model)
     hf_accel.patch(tiny_model, kv_cache="static-int8", speculative=None)
     details = hf_accel.report(tiny_model)["kv_cache"].details
     assert details["bytes_per_token"] < 0.35 * details["bytes_per_token_full_precision"]
     assert 0 < details["logit_error_vs_full_precision_cache"] < 0.05 and details["top1_agreement"] >= 0.9
-    assert 0 <= details["greedy_agreement_16_tokens"] <= 1
+    stock = make_tiny_model(arch)  # the same weights: what the report says, and the output, recomputed
+    probe = ProbeInputs.for_model(stock).input_ids[:1]
+    caches = (PreallocatedCache(stock.config), PreallocatedCache(stock.config, layer_class=Int8Layer))
+    full, int8 = (stock.generate(input_ids=probe, attention_mask=torch.ones_like(probe), max_new_tokens=16,
+                                 do_sample=False, **{cache_keyword(stock): cache})[0, probe.shape[1]:]
+                  for cache in caches)
+    assert details["greedy_agreement_16_tokens"] == round((full == int8).float().mean().item(), 4)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                              **{cache_keyword(stock): PreallocatedCache(stock.config, layer_class=Int8Layer)})
     out = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    assert out.shape == (3, ids.shape[1] + 8)
+    assert torch.equal(out, expected)
     compile_report = hf_accel.report(tiny_model)["compile"]  # the compiled step would bypass the int8 cache
     assert compile_report.backend != "inductor" and "static-int8" in str(compile_report.skipped)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -74,13 +75,47 @@ def test_patch_then_unpatch_restores_state_and_outputs(tiny_model):
     assert torch.equal(greedy(tiny_model, ids, mask), expected)
 
 
-def test_patch_twice_is_a_logged_no_op(llama, caplog):
-    hf_accel.patch(llama, attention="eager")
+def test_patch_twice_with_the_same_arguments_is_a_logged_no_op(llama, caplog):
+    hf_accel.patch(llama, attention="eager", cache_capacity=64)
     state = get_state(llama)
     with caplog.at_level(logging.INFO, logger="hf_accel"):
-        assert hf_accel.patch(llama, attention="sdpa") is llama
+        assert hf_accel.patch(llama, cache_capacity=64, attention="eager") is llama
+    assert get_state(llama) is state and "already patched" in caplog.text
+
+
+@pytest.mark.parametrize("again", [{"attention": "sdpa"}, {"attention": "eager", "speculative": None},
+                                   {"attention": "eager", "cache_capacity": 128}])
+def test_patching_a_patched_model_with_other_arguments_says_to_unpatch_first(llama, again):
+    hf_accel.patch(llama, attention="eager")
+    state = get_state(llama)
+    with pytest.raises(ValueError, match="already patched with .*attention='eager'.*hf_accel.unpatch"):
+        hf_accel.patch(llama, **again)
     assert get_state(llama) is state and llama.config._attn_implementation == "eager"
-    assert "already patched" in caplog.text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"speculative": 42}, "speculative=42 is not valid"),
+    ({"attention": 123}, "attention=123 is not valid"),
+    ({"compile": 1}, "compile=1 is not valid"),
+    ({"kv_cache": ["static"]}, "kv_cache=['static'] is not valid"),
+    ({"cache_bucket": 0}, "cache_bucket=0 is not valid: expected an integer of at least 1"),
+    ({"cache_capacity": "big"}, "cache_capacity='big' is not valid: expected an integer of at least 1"),
+    ({"num_draft_tokens": 0}, "num_draft_tokens=0 is not valid: expected an integer of at least 1"),
+    ({"ngram_size": 1.5}, "ngram_size=1.5 is not valid"),
+    ({"compile_when": "soon"}, "compile_when='soon' is not valid: expected one of 'auto', 'first_use'"),
+    ({"group_size": 48}, "group_size=48 is not valid: expected one of 32, 64, 128, 256"),
+    ({"prepack": "yes"}, "prepack='yes' is not valid: expected True or False"),
+    ({"keep_original": 1}, "keep_original=1 is not valid: expected True or False"),
+    ({"include": 3}, "include=3 is not valid"),
+    ({"draft_model": "small"}, "draft_model='small' is not valid"),
+])
+def test_bad_values_are_refused_before_anything_changes(llama, kwargs, message):
+    before = snapshot(llama)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hf_accel.patch(llama, **kwargs)
+    assert_restored(llama, before)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hf_accel.check_arguments(**kwargs)  # the same error without a model
 
 
 def test_unpatch_of_unpatched_model_is_harmless(llama):

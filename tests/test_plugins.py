@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import left_padded_batch
+from conftest import left_padded_batch, make_tiny_model
 
 import hf_accel
 from hf_accel import Backend, hookimpl
@@ -130,3 +130,25 @@ def test_backend_options_are_accepted_and_passed(llama):
 
     hf_accel.patch(llama, kv_cache="opt", block_size=64, plugins=[WithOption()])
     assert seen == {"block_size": 64}
+
+
+def test_plugins_given_to_patch_see_the_models_generate_calls_and_nobody_elses(llama):
+    class Counter:
+        calls = 0
+
+        @hf_accel.hookimpl(wrapper=True)
+        def hf_accel_generate(self, call):
+            Counter.calls += 1
+            return (yield)
+
+    counter = Counter()
+    ids, mask = left_padded_batch(llama)
+    hf_accel.patch(llama, plugins=[counter], speculative=None, compile=None)
+    Counter.calls = 0  # the patch's own verification probes generated too
+    llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert Counter.calls == 1
+    assert not get_plugin_manager().is_registered(counter)  # the process-wide manager never held it
+    other = make_tiny_model("llama", seed=3)
+    hf_accel.patch(other, speculative=None, compile=None)
+    other.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert Counter.calls == 1

@@ -66,13 +66,41 @@ class RandomDrafter:
         pass
 
 
-def drafter_plugin(make_drafter, k=4):
+def drafter_plugin(make_drafter, k=4, low=1, high=8):
     class Plugin:
         @hookimpl
         def hf_accel_register_backends(self, register):
             register(Backend(name="test_drafter", feature="speculative", probe=None,
-                             apply=lambda ctx: install_runner(ctx, make_drafter, DraftLength(k=k, low=1, high=8))))
+                             apply=lambda ctx: install_runner(ctx, make_drafter, DraftLength(k=k, low=low, high=high))))
     return Plugin()
+
+
+class DivergingDrafter:
+    """Row 0 drafts what the target will say (every draft accepted), every other row a wrong first token
+    (every draft rejected), so rows advance at k + 1 and 1 tokens per step. Records, at each proposal,
+    which rows had ended and how many real tokens the target's cache held per row."""
+
+    def __init__(self, reference: torch.Tensor) -> None:
+        self.reference = reference
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def start(self, loop):
+        pass
+
+    def propose(self, loop, k):
+        self.seen.append((loop.finished.clone(), loop.target.mask.sum(-1)))
+        tokens = torch.zeros(len(loop.rows), k, dtype=torch.long)
+        lengths = torch.zeros(len(loop.rows), dtype=torch.long)
+        for b, row in enumerate(loop.rows):
+            truth = self.reference[b, row.shape[0] : row.shape[0] + k]
+            tokens[b, : truth.numel()] = truth
+            lengths[b] = truth.numel()
+            if b > 0 and truth.numel():
+                tokens[b, 0] = (truth[0] + 1) % VOCAB
+        return Draft(tokens, lengths)
+
+    def accepted(self, loop, draft, kept):
+        pass
 
 
 def greedy(model, ids, mask, **kwargs):
@@ -334,3 +362,57 @@ def test_a_checkpoint_loaded_through_a_quantizer_into_floats_can_self_draft(llam
     llama.hf_quantizer = SimpleNamespace(is_compileable=True)  # as a GGUF checkpoint has, dequantized at load
     hf_accel.patch(llama, compile=None, speculative="self_int4")
     assert hf_accel.report(llama)["speculative"].backend == "self_int4"
+
+
+def test_a_draft_token_the_target_gives_no_probability_is_rejected_even_when_the_draw_is_zero(monkeypatch):
+    """u < p/q with u in [0, 1): a token with p = 0 (banned by a processor) must never be accepted."""
+    from hf_accel.speculative import Draft, accept_sampled
+
+    p = torch.zeros(1, 2, 4)
+    p[0, :, 1] = 1.0  # the target puts all its mass on token 1
+    draft = Draft(tokens=torch.tensor([[3]]), lengths=torch.tensor([1]))  # the drafter proposed token 3
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.zeros(*shape))
+    kept, extra = accept_sampled(p, draft, torch.ones(1, 1, dtype=torch.bool))
+    assert kept.tolist() == [0] and extra.tolist() == [1]
+
+
+def test_rows_that_ended_are_not_drafted_and_keep_nothing_more(llama):
+    ids, mask = left_padded_batch(llama, (6, 6))
+    reference = greedy(llama, ids, mask, max_new_tokens=60)  # row 0's truth runs past its own end
+    expected = greedy(llama, ids, mask, max_new_tokens=30)
+    drafter = DivergingDrafter(reference)
+    hf_accel.patch(llama, compile=None, speculative="test_drafter",
+                   plugins=[drafter_plugin(lambda model, config: drafter, k=4, low=4, high=4)])
+    assert torch.equal(greedy(llama, ids, mask, max_new_tokens=30), expected)
+    after_row0_ended = [held[0] for finished, held in drafter.seen if finished[0]]
+    assert len(after_row0_ended) > 10 and len(set(map(int, after_row0_ended))) == 1
+
+
+def test_output_scores_of_a_batch_match_stock_for_rows_that_ended(llama):
+    ids, mask = left_padded_batch(llama)
+    reference = greedy(llama, ids, mask, max_new_tokens=12)
+    llama.generation_config.eos_token_id = int(reference[1, ids.shape[1] + 3])  # row 1 ends early
+    kwargs = dict(max_new_tokens=12, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    expected = greedy(llama, ids, mask, **kwargs)
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    out = greedy(llama, ids, mask, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    for name in ("scores", "logits"):
+        assert len(getattr(out, name)) == len(getattr(expected, name))
+        for ours, stock in zip(getattr(out, name), getattr(expected, name)):
+            torch.testing.assert_close(ours, stock, rtol=1e-4, atol=1e-4)
+
+
+def test_a_user_warper_is_merged_with_the_ones_generate_builds_as_stock_merges_it(llama):
+    """The loop takes stock's own processor list, so a user's TemperatureLogitsWarper and temperature=
+    combine as stock combines them (transformers 5.24 applies both: scores divided by 0.25, not 0.5)."""
+    from transformers import TemperatureLogitsWarper
+
+    ids, mask = left_padded_batch(llama, (9,))
+    kwargs = dict(do_sample=True, temperature=0.5, max_new_tokens=1, return_dict_in_generate=True,
+                  output_scores=True, logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)]))
+    expected = llama.generate(input_ids=ids, attention_mask=mask, **kwargs).scores[0]
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    scores = llama.generate(input_ids=ids, attention_mask=mask, **kwargs).scores[0]
+    assert stats(llama)["fallbacks_to_stock"] == 0
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import left_padded_batch, make_tiny_model
-from test_speculative import ScriptedDrafter, drafter_plugin, greedy
+from test_speculative import DivergingDrafter, ScriptedDrafter, drafter_plugin, greedy
 
 import hf_accel
 from hf_accel.cached_lm import CachedLM
@@ -44,6 +44,47 @@ def test_rollback_cache_matches_the_growing_cache_through_rollbacks_and_realignm
                 steps.append(lm.extend(chunk))
                 lm.keep(keep)
         logits.append(torch.cat(steps, dim=1))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_rollback_cache_compacts_instead_of_overflowing_when_rows_diverge(tmp_path, monkeypatch):
+    """Row 0 accepts every draft, row 1 none: the cache's mask grows by the larger acceptance each step,
+    past the room the fixed-length cache has for either row's tokens."""
+    monkeypatch.setenv("HF_ACCEL_CACHE", str(tmp_path))  # "auto" with nothing compiled before: eager layers
+    model = make_tiny_model("llama")
+    ids, mask = left_padded_batch(model, (6, 6))
+    reference = greedy(model, ids, mask, max_new_tokens=60)
+    expected = greedy(model, ids, mask, max_new_tokens=40)
+    drafter = DivergingDrafter(reference)
+    hf_accel.patch(model, speculative="test_drafter", compile="inductor", compile_when="auto", cache_bucket=8,
+                   plugins=[drafter_plugin(lambda m, config: drafter, k=4, low=4, high=4)])
+    assert torch.equal(greedy(model, ids, mask, max_new_tokens=40), expected)
+    cache = model._hf_accel_state.compiled_step.cache_for(2, 0)
+    assert cache.max_cache_len == 56  # 6 + 40 + 4 + 2 rounded up to the bucket: no room for the padding
+    details = hf_accel.report(model)["speculative"].details
+    assert details["fallbacks_to_stock"] == 0 and details["accepted"] >= 32
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gpt2"])  # holes move sliding windows: drafts only
+def test_compaction_keeps_the_logits_of_rows_with_holes(tiny_model):
+    """A drafter's cache: rows append different numbers of real tokens (masked holes in between); a small
+    fixed-length cache compacts them where a growing one does not, and the logits agree."""
+    ids, mask = left_padded_batch(tiny_model, (5, 2))
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randint(3, 400, (2, 3), generator=g) for _ in range(12)]
+    valid = [torch.tensor([[1, 1, 1], [0, 0, 1]]) if i % 2 else torch.tensor([[0, 1, 1], [1, 1, 1]])
+             for i in range(12)]
+    logits = []
+    for cache in (PreallocatedCache(tiny_model.config), RollbackStaticCache(tiny_model.config, max_cache_len=40)):
+        lm = CachedLM(tiny_model, cache)
+        with torch.no_grad():
+            lm.prefill(ids, mask)
+            steps = []
+            for chunk, v in zip(chunks, valid):
+                steps.append(lm.extend(chunk, v)[v.bool()])
+                lm.keep(torch.tensor([3, 3]))
+        logits.append(torch.cat(steps))
+    assert lm.mask.shape[1] <= 40 and lm.realignments > 0  # 5 + 36 slots written into 40
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
