@@ -82,6 +82,15 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument("--quantize", default="", help="comma-separated quantize schemes to add")
     step.set_defaults(func=cmd_bench_step)
 
+    identity = sub.add_parser("identity", help="how often the patched model's greedy output is stock's, token "
+                                               "for token, over 54 varied prompts alone and in mixed batches")
+    _add_model_arguments(identity)
+    identity.add_argument("--max-new-tokens", type=int, default=64)
+    identity.add_argument("--batch-size", type=int, default=4, help="rows per mixed batch (1: prompts alone only)")
+    identity.add_argument("--patch", default="", metavar="KEY=VALUE[,KEY=VALUE]",
+                          help="patch() arguments (default: patch(model))")
+    identity.set_defaults(func=cmd_identity)
+
     cache = sub.add_parser("cache", help="the compile cache: what it holds (info), or empty it (clear)")
     cache.add_argument("action", choices=["info", "clear"])
     cache.add_argument("--dir", help="the cache directory (default: HF_ACCEL_CACHE, else ~/.cache/hf_accel)")
@@ -302,6 +311,25 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
         finally:
             unpatch(model)
     print(format_step_table(rows, memory_read_gb_s()))
+    return 0
+
+
+def cmd_identity(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from .bench_identity import identity_prompts, run_identity
+
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise CLIError("--max-new-tokens and --batch-size must be at least 1")
+    kwargs = _patch_config(args.patch).patch_kwargs if args.patch else {}
+    model, tokenizer = _load(args)
+    prompts = identity_prompts()
+    result = run_identity(model, tokenizer, prompts, lambda m: patch(m, **kwargs), args.max_new_tokens,
+                          args.batch_size, progress=lambda items, desc: tqdm(items, desc=desc))
+    print(f"greedy identity of patch(model{', ' + args.patch if args.patch else ''}) with stock generate, "
+          f"{args.max_new_tokens} new tokens, {len(prompts)} prompts alone and in mixed batches of {args.batch_size}:")
+    print(result.table())
+    print(f"\n{report(model)}")  # what ran: which backends, compiled or eager steps
     return 0
 
 

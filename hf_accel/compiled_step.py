@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 import types
+from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -52,6 +53,8 @@ _FROM_STORE = "compiled before on this machine"
 _clock = time.perf_counter
 #: Cache lengths are rounded up to a multiple of this, and a cache serves every later call that fits in it.
 BUCKET = 256
+#: Batch sizes whose fixed-length caches are kept between calls; the least recently used one beyond is freed.
+CACHES_KEPT = 4
 #: Relative error above which a freshly compiled graph is refused: exact fp32 graphs measure ~1e-6.
 CHECK_TOLERANCE = 1e-3
 #: The same where activations are rounded to bf16 (quantized Linear kernels): inductor fuses the casts, which
@@ -146,7 +149,7 @@ class CompiledDecodeStep:
         self._waited: dict[ShapeClass, float] = {}  # eager seconds of decode steps that waited for each class
         self._stored: dict[ShapeClass, Stored | None] = {}  # what the store knows of each shape class
         self._fingerprints: dict[str, dict[str, Any]] = {}
-        self._caches: dict[int, tuple[int, Cache]] = {}  # batch size -> (positions, cache)
+        self._caches: OrderedDict[int, tuple[int, Cache]] = OrderedDict()  # batch size -> (positions, cache)
         self._installed: Changes | None = None
         self._call_start = 0.0  # eager seconds when the current call began
         self._call_forecast = 0.0  # eager seconds the current call is expected to take
@@ -209,15 +212,24 @@ class CompiledDecodeStep:
         """The cache for this batch size, emptied; reallocated (one bucket larger) only when it is too short.
         A :class:`~hf_accel.kv_cache.RollbackStaticCache`: full-length layers (the sliding window is applied
         by the mask) that the speculative loop can crop and realign."""
-        length, cache = self._caches.get(batch_size, (0, None))
+        length, cache = self._caches.pop(batch_size, (0, None))
         if cache is None or length < needed_length:
+            cache = None  # freed before the larger one is allocated
             length = -(-needed_length // self.bucket) * self.bucket
             cache = RollbackStaticCache(self.model.config, max_cache_len=length)
-            self._caches[batch_size] = (length, cache)
             logger.debug("static cache for batch %d: %d positions", batch_size, length)
         else:
             cache.reset()
+        self._caches[batch_size] = (length, cache)  # the most recently used, last
+        while len(self._caches) > CACHES_KEPT:
+            evicted, _ = self._caches.popitem(last=False)
+            logger.debug("static cache for batch %d freed (least recently used)", evicted)
         return cache
+
+    def cache_bytes(self) -> int:
+        """Bytes the kept fixed-length caches hold (keys and values, every layer)."""
+        return sum(tensor.numel() * tensor.element_size() for _, cache in self._caches.values()
+                   for layer in cache.layers if layer.is_initialized for tensor in (layer.keys, layer.values))
 
     def begin_call(self, new_tokens: int) -> None:
         """A ``generate`` call asking for up to ``new_tokens`` tokens starts: the compile policy weighs what the
@@ -231,6 +243,7 @@ class CompiledDecodeStep:
         if spent > 0 and tokens > 0:
             self._seconds_per_token = spent / tokens
         self._call_forecast = 0.0
+        self._publish()
 
     def get_compiled_call(self, compile_config: Any = None) -> CompiledDecodeStep:  # noqa: ARG002
         """Stands in for ``PreTrainedModel.get_compiled_call`` on the patched instance."""
@@ -403,7 +416,8 @@ class CompiledDecodeStep:
         for shape, decision in self._decisions.items():
             shapes.setdefault(str(shape), decision.reason)
         self.details.update(asdict(self.stats), bucket=self.bucket, mode=self.backend.mode or "default",
-                            when=self.policy.when, shapes=shapes)
+                            when=self.policy.when, shapes=shapes, cache_bytes=self.cache_bytes(),
+                            cached_batch_sizes=list(self._caches))
 
 
 def _eager_layer(region: Region, layer_cache: Any, slot: int | str, args: tuple[Any, ...],

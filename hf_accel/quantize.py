@@ -37,6 +37,67 @@ def weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
     return (weight.t() if isinstance(module, Conv1D) else weight), module.bias
 
 
+class SavedAsFloat(nn.Module):
+    """Base of a quantized module whose state dict is the float weight of the module it replaced.
+
+    ``state_dict()`` (and so ``save_pretrained``) writes ``weight`` (and ``bias``) under the replaced module's
+    keys, in its layout (``Conv1D`` stores ``[in, out]``) and dtype, holding the values the quantized product
+    computes with. Any transformers loads that checkpoint as a float model; patching it again with the same
+    options quantizes those values back to the same codes. ``load_state_dict`` of a float ``weight``
+    quantizes it in place, so loading other weights into a patched model takes effect.
+
+    A subclass calls :meth:`remember_layout` in ``__init__`` and implements :meth:`dequantized` and
+    :meth:`quantize_from`.
+    """
+
+    def remember_layout(self, original: nn.Module) -> None:
+        self._transposed = isinstance(original, Conv1D)
+        self._float_dtype = original.weight.dtype
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the product computes with, ``[out, in]`` in fp32."""
+        raise NotImplementedError
+
+    def quantize_from(self, weight: torch.Tensor) -> None:
+        """Replace the quantized weight, in place, by ``weight`` (``[out, in]``) quantized."""
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        weight = self.dequantized()
+        destination[prefix + "weight"] = (weight.t() if self._transposed else weight).to(self._float_dtype)
+        bias = getattr(self, "bias", None)
+        if bias is not None:
+            destination[prefix + "bias"] = bias if keep_vars else bias.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name in ("weight", "bias") if getattr(self, "bias", None) is not None else ("weight",):
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            if name == "bias":
+                with torch.no_grad():
+                    self.bias.copy_(value)
+                continue
+            weight = value.t() if self._transposed else value
+            expected = tuple(self.dequantized_shape())
+            if tuple(weight.shape) != expected:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                                  f"the quantized module holds {expected} ([out, in])")
+                continue
+            with torch.no_grad():
+                self.quantize_from(weight.detach().float())
+        if strict:  # e.g. qweight/scale keys of a checkpoint saved before state dicts held float weights
+            ours = {prefix + "weight", prefix + "bias"}
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in ours
+                                   and k[len(prefix):].split(".", 1)[0] not in self._modules)
+
+    def dequantized_shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+
 def selected_linears(context: PatchContext) -> list[Child]:
     """The Linear layers to quantize: those of the decoder blocks by default (not the output head); the
     ``include`` / ``skip`` options (regular expressions on qualified names) override that."""

@@ -9,6 +9,7 @@ Same fp32 arithmetic, different summation order: verified against the model befo
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +20,27 @@ from hf_accel.quantize import children_of_type
 
 #: The row count oneDNN is told to expect when it packs: measured fastest for 1-16 rows on 2 cores.
 PACK_FOR_ROWS = 8
-#: Packed weights by the address of the weight they were packed from, for the traceable op below.
-_PACKED: dict[int, torch.Tensor] = {}
+#: Packed copies by the address of the weight they were packed from, for the traceable op below.
+_PACKED: dict[int, PackedWeight] = {}
+
+
+@dataclass
+class PackedWeight:
+    """A oneDNN-packed copy of a weight, and the weight's shape and version counter when it was packed."""
+
+    packed: torch.Tensor
+    shape: torch.Size
+    version: int
+
+
+def packed_copy(weight: torch.Tensor, pack_for_rows: int = PACK_FOR_ROWS) -> torch.Tensor:
+    """The packed copy of ``weight``, packed again if the weight changed since (``load_state_dict``, an
+    in-place edit, a merged adapter: each bumps the tensor's version counter)."""
+    entry = _PACKED.get(weight.data_ptr())
+    if entry is None or entry.version != weight._version or entry.shape != weight.shape:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_for_rows)
+        entry = _PACKED[weight.data_ptr()] = PackedWeight(packed, weight.shape, weight._version)
+    return entry.packed
 
 
 # An opaque op, so torch.compile calls it as it is (inductor cannot trace a oneDNN-layout tensor). Defined
@@ -34,7 +54,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(flat, _PACKED[weight.data_ptr()], bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed_copy(weight), bias, "none", [], "")
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -50,19 +70,18 @@ class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose forward runs on a oneDNN-packed copy of its weight.
 
     Keeps the original ``weight`` and ``bias`` parameters (same objects: state_dict keys and tied weights
-    are unchanged). Falls back to ``F.linear`` when autograd needs the graph.
+    are unchanged), and packs again when the weight changes or is replaced. Falls back to ``F.linear`` when
+    autograd needs the graph.
     """
 
-    def __init__(self, linear: nn.Linear, pack_for_rows: int = PACK_FOR_ROWS) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         self.original = [linear]  # a list, so the original is not registered as a submodule
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), pack_for_rows)
-        key = linear.weight.data_ptr()
-        _PACKED[key] = self.packed
-        weakref.finalize(self, _PACKED.pop, key, None)
+        packed_copy(self.weight)
+        weakref.finalize(self, _PACKED.pop, self.weight.data_ptr(), None)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed"
@@ -72,11 +91,7 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
             return torch.ops.hf_accel.onednn_linear(x, self.weight, self.bias)
-        flat = x.reshape(-1, self.in_features)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return onednn_linear(x, self.weight, self.bias)
 
 
 def linear_children(model: nn.Module):

@@ -10,11 +10,13 @@ nf4 ~12.8 tokens/s against ~16), so ``quantize="int8"`` prefers ``int8_weight_on
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
 from hf_accel.quantize import (
@@ -47,7 +49,41 @@ def bnb_linear(linear: nn.Module, scheme: str, compute_dtype: torch.dtype, doubl
                                           compress_statistics=double_quant)
     if bias is not None:
         module.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
-    return module.to(device)  # bitsandbytes quantizes when the weight moves to a real device
+    module = module.to(device)  # bitsandbytes quantizes when the weight moves to a real device
+    module.register_state_dict_post_hook(
+        functools.partial(_float_state, dtype=weight.dtype, transposed=isinstance(linear, Conv1D)))
+    module.register_load_state_dict_pre_hook(_refuse_float_weights)
+    return module
+
+
+def dequantized(module: nn.Module) -> torch.Tensor:
+    """The ``[out, in]`` weight a bitsandbytes layer computes with."""
+    import bitsandbytes as bnb
+
+    weight = module.weight
+    if getattr(weight, "quant_state", None) is not None:  # 4-bit
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
+    # LLM.int8: one absmax per row, which bitsandbytes moves to the layer's state at its first forward.
+    row_absmax = weight.SCB if getattr(weight, "SCB", None) is not None else module.state.SCB
+    return weight.data.float() * row_absmax.float()[:, None] / 127
+
+
+def _float_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, dtype: torch.dtype,
+                 transposed: bool) -> None:
+    """The layer's state as the float module it replaced (``Conv1D`` stores ``[in, out]``): ``weight`` (what it
+    computes with) and ``bias``, not bitsandbytes' codes and statistics, which transformers would load into a
+    float model as numbers."""
+    for key in [k for k in state_dict if k.startswith(prefix) and k != prefix + "bias"]:
+        del state_dict[key]
+    weight = dequantized(module)
+    state_dict[prefix + "weight"] = (weight.t() if transposed else weight).to(dtype)
+
+
+def _refuse_float_weights(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    if prefix + "weight" in state_dict:
+        raise RuntimeError(
+            f"{prefix.rstrip('.')} is a bitsandbytes layer made by hf_accel.patch and cannot take new weights; load "
+            "them before patching, or patch with keep_original=True and hf_accel.unpatch(model) first")
 
 
 def quantize(context: PatchContext) -> None:

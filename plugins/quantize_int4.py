@@ -16,7 +16,8 @@ from torch import nn
 
 from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
 from hf_accel.quantize import (
-    SELECTION_OPTIONS, record_quantization, selected_embeddings, selected_linears, tensor_bytes, weight_and_bias,
+    SELECTION_OPTIONS, SavedAsFloat, record_quantization, selected_embeddings, selected_linears, tensor_bytes,
+    weight_and_bias,
 )
 
 logger = logging.getLogger(__name__)
@@ -34,22 +35,59 @@ def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     return codes.reshape(rows, columns), scale, minimum
 
 
-class Int4WeightLinear(nn.Module):
+def unpack_int4(packed: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """The ``[rows, columns]`` codes that ``_convert_weight_to_int4pack_for_cpu`` packed into ``packed``.
+
+    The packed layout is the kernel's and undocumented, so it is read off the packer itself: packing each
+    base-16 digit of every position's index tells where each position's nibble lands.
+    """
+    count = rows * columns
+    index = torch.arange(count, dtype=torch.int64).view(rows, columns)
+    source = torch.zeros(2 * packed.numel(), dtype=torch.int64)
+    for shift in range(0, max(count - 1, 1).bit_length(), 4):
+        digits = torch.ops.aten._convert_weight_to_int4pack_for_cpu(((index >> shift) & 15).to(torch.int32), 1)
+        source |= _nibbles(digits).to(torch.int64) << shift
+    codes = torch.empty(count, dtype=torch.int32)
+    codes[source] = _nibbles(packed.cpu()).to(torch.int32)
+    return codes.view(rows, columns).to(packed.device)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten()
+
+
+class Int4WeightLinear(SavedAsFloat):
     """``y = x @ dequant(W)^T + b`` through aten's int4 CPU kernel. Built from an ``nn.Linear`` or ``Conv1D``
     whose input size is a multiple of ``group_size``."""
 
     def __init__(self, linear: nn.Module, group_size: int) -> None:
         super().__init__()
+        self.remember_layout(linear)
         weight, bias = weight_and_bias(linear)
         self.out_features, self.in_features = weight.shape
         self.group_size = group_size
-        codes, scale, minimum = quantize_groups(weight, group_size)
+        packed, scales_and_zeros = self._pack(weight)
+        self.register_buffer("packed_weight", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def _pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, scale, minimum = quantize_groups(weight, self.group_size)
         # The kernel computes (q - 8) * scale + zero, so its "zero" is the value of the middle code.
         zero = minimum + 8 * scale
         scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
-        self.register_buffer("packed_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scales_and_zeros.to(torch.bfloat16)
+
+    def dequantized(self) -> torch.Tensor:
+        codes = unpack_int4(self.packed_weight, self.out_features, self.in_features).float()
+        scale, zero = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [out, groups] each
+        groups = codes.unflatten(-1, (-1, self.group_size)) - 8
+        return (groups * scale[..., None] + zero[..., None]).flatten(-2)
+
+    def quantize_from(self, weight: torch.Tensor) -> None:
+        packed, scales_and_zeros = self._pack(weight)
+        self.packed_weight.copy_(packed)
+        self.scales_and_zeros.copy_(scales_and_zeros)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -64,21 +102,35 @@ class Int4WeightLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-class Int4Embedding(nn.Module):
+class Int4Embedding(SavedAsFloat):
     """An embedding table as 4-bit codes, two per byte, with a bf16 scale and minimum per group of columns."""
 
     def __init__(self, embedding: nn.Embedding, group_size: int) -> None:
         super().__init__()
+        self.remember_layout(embedding)
         self.num_embeddings, self.embedding_dim = embedding.weight.shape
         self.padding_idx = embedding.padding_idx
         self.group_size = group_size
-        codes, scale, minimum = quantize_groups(embedding.weight.detach(), group_size)
-        self.register_buffer("nibbles", (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8))
-        self.register_buffer("scale", scale.to(torch.bfloat16))
-        self.register_buffer("minimum", minimum.to(torch.bfloat16))
+        for name, tensor in zip(("nibbles", "scale", "minimum"), self._encode(embedding.weight.detach())):
+            self.register_buffer(name, tensor)
+
+    def _encode(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        codes, scale, minimum = quantize_groups(weight, self.group_size)
+        nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+        return nibbles, scale.to(torch.bfloat16), minimum.to(torch.bfloat16)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int4 groups of {self.group_size}"
+
+    def dequantized_shape(self) -> tuple[int, int]:
+        return self.num_embeddings, self.embedding_dim
+
+    def dequantized(self) -> torch.Tensor:
+        return self.forward(torch.arange(self.num_embeddings, device=self.nibbles.device))
+
+    def quantize_from(self, weight: torch.Tensor) -> None:
+        for buffer, tensor in zip((self.nibbles, self.scale, self.minimum), self._encode(weight)):
+            buffer.copy_(tensor)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         nibbles = self.nibbles[ids]

@@ -15,16 +15,30 @@ from torch import nn
 
 from hf_accel import Backend, Capabilities, PatchContext, hookimpl
 from hf_accel.quantize import (
-    SELECTION_OPTIONS, record_quantization, selected_embeddings, selected_linears, tensor_bytes, weight_and_bias,
+    SELECTION_OPTIONS, SavedAsFloat, record_quantization, selected_embeddings, selected_linears, tensor_bytes,
+    weight_and_bias,
 )
 
 
-class Int8WeightLinear(nn.Module):
+class Int8Rows(SavedAsFloat):
+    """Int8 codes ``qweight`` ``[rows, columns]`` with one bf16 ``scale`` per row; saved and loaded as floats."""
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale.float()[:, None]
+
+    def quantize_from(self, weight: torch.Tensor) -> None:
+        quantized, scale = quantize_rows(weight)
+        self.qweight.copy_(quantized)  # in place: a head tied to this table shares these tensors
+        self.scale.copy_(scale)
+
+
+class Int8WeightLinear(Int8Rows):
     """``y = x @ (q * scale)^T + b`` with ``q`` int8 ``[out, in]`` and one bf16 ``scale`` per output.
     Built from an ``nn.Linear`` or GPT-2's ``Conv1D``."""
 
     def __init__(self, linear: nn.Module) -> None:
         super().__init__()
+        self.remember_layout(linear)
         weight, bias = weight_and_bias(linear)
         self.out_features, self.in_features = weight.shape
         quantized, scale = quantize_rows(weight.float())
@@ -43,11 +57,12 @@ class Int8WeightLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(Int8Rows):
     """An embedding table in int8 with one bf16 scale per row; rows are dequantized as they are looked up."""
 
     def __init__(self, embedding: nn.Embedding) -> None:
         super().__init__()
+        self.remember_layout(embedding)
         self.num_embeddings, self.embedding_dim = embedding.weight.shape
         self.padding_idx = embedding.padding_idx
         quantized, scale = quantize_rows(embedding.weight.detach().float())
@@ -56,6 +71,9 @@ class Int8Embedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 per-row"
+
+    def dequantized_shape(self) -> tuple[int, int]:
+        return self.num_embeddings, self.embedding_dim
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight[ids].to(torch.float32) * self.scale[ids].to(torch.float32)[..., None]

@@ -123,6 +123,25 @@ def test_the_cache_is_reused_while_it_fits_and_grows_once():
     assert compile_details(model)["graphs_compiled"] == 1
 
 
+def test_caches_are_kept_for_the_most_recent_batch_sizes_and_reported(llama, empty_store):
+    """A server sees many batch sizes: one fixed-length cache each would grow without bound."""
+    from hf_accel.compiled_step import CACHES_KEPT
+
+    hf_accel.patch(llama, compile="inductor", compile_when="auto", cache_bucket=32, speculative=None)
+    step = llama._hf_accel_state.compiled_step
+    sizes = list(range(1, CACHES_KEPT + 3))
+    for batch in sizes:
+        ids, mask = left_padded_batch(llama, (6,) * batch)
+        expected = make_tiny_model("llama").generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                                                     do_sample=False)
+        assert torch.equal(greedy(llama, ids, mask, n=8), expected)
+    details = compile_details(llama)
+    assert details["cached_batch_sizes"] == sizes[-CACHES_KEPT:] == list(step._caches)
+    config = llama.config  # every kept cache: 32 positions x layers x (keys + values) x kv heads x head dim x fp32
+    per_row = 32 * config.num_hidden_layers * 2 * config.num_key_value_heads * (config.hidden_size // 4) * 4
+    assert details["cache_bytes"] == per_row * sum(sizes[-CACHES_KEPT:])
+
+
 def test_a_failed_compile_falls_back_to_eager_with_the_reason(llama, monkeypatch):
     def no_compiler(self, graph, example_inputs):
         raise RuntimeError("no C++ compiler found")

@@ -156,3 +156,22 @@ def test_int8_layer_round_trips_within_half_a_step_of_its_scale():
     assert ((keys - k).abs() <= scale / 2 + 1e-6).all()
     layer.crop(-2)
     assert layer.get_seq_length() == 3 and layer.keys.shape[2] == 3
+
+
+def test_packed_linears_follow_weight_changes_after_patch():
+    """load_state_dict, an in-place edit (what merging an adapter does) and a replaced Parameter: each
+    call after a change computes with the new weights, like an unpatched model given the same change."""
+    model, stock = make_tiny_model("llama"), make_tiny_model("llama")
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    ids, mask = left_padded_batch(model)
+    changes = [
+        lambda m: m.load_state_dict(make_tiny_model("llama", seed=4).state_dict()),
+        lambda m: m.model.layers[0].mlp.down_proj.weight.mul_(3),
+        lambda m: setattr(m.lm_head, "weight", torch.nn.Parameter(m.lm_head.weight * -1, requires_grad=False)),
+    ]
+    for change in changes:
+        with torch.no_grad():  # as in generate: the packed path runs only without autograd
+            change(model)
+            change(stock)
+            torch.testing.assert_close(model(ids, attention_mask=mask).logits,
+                                       stock(ids, attention_mask=mask).logits, rtol=1e-4, atol=1e-4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from conftest import assert_same_state, left_padded_batch, make_tiny_model, state_dict_copy
 
 import hf_accel
@@ -91,6 +92,24 @@ def test_bitsandbytes_converts_loaded_weights(arch, scheme):
     assert out.shape == (3, ids.shape[1] + 5)
     hf_accel.unpatch(model)
     assert_same_state(before, state_dict_copy(model))
+
+
+@pytest.mark.parametrize("scheme", ["nf4", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_saved_bitsandbytes_model_reloads_as_the_floats_it_computes_with(arch, scheme, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from hf_accel_plugins.quantize_bnb import dequantized
+
+    model = make_tiny_model(arch)
+    hf_accel.patch(model, quantize="bnb", bnb_quant_type=scheme, speculative=None)
+    model.save_pretrained(tmp_path)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info
+    for name in hf_accel.report(model)["quantize"].modules:
+        weight = reloaded.get_submodule(name).weight
+        assert torch.equal(weight.t() if arch == "gpt2" else weight, dequantized(model.get_submodule(name)))
+    with pytest.raises(RuntimeError, match="load them before patching"):
+        model.load_state_dict(reloaded.state_dict())
 
 
 def test_nf4_is_served_by_bitsandbytes_and_int8_prefers_the_fast_cpu_kernel(llama):
@@ -181,3 +200,51 @@ def test_int4_rejects_a_group_size_the_kernel_cannot_run(llama):
     with pytest.raises(ValueError, match="group_size=48 is not valid: expected one of 32, 64, 128, 256"):
         hf_accel.patch(llama, quantize="int4", group_size=48)
     assert not quantized_names(llama) and not hasattr(llama, "_hf_accel_state")
+
+
+def quantized_tensors(model) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in model.named_buffers() if any(
+        isinstance(model.get_submodule(name.rpartition(".")[0]), kind) for kind in QUANTIZED_TYPES)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])  # GPT-2's Conv1D layout; Gemma2's tied head
+@pytest.mark.parametrize("scheme, options", [("int8", {}), ("int4", {}),
+                                             ("int8", {"include": ["embed_tokens|wte", "mlp"]}),
+                                             ("int4", {"include": ["embed_tokens|wte", "mlp"]})],
+                         ids=["int8", "int4", "int8-embeddings", "int4-embeddings"])
+def test_a_saved_quantized_model_reloads_and_quantizes_back_to_the_same_weights(arch, scheme, options, tmp_path):
+    model = make_tiny_model(arch)
+    hf_accel.patch(model, quantize=scheme, speculative=None, **options)
+    ids, mask = left_padded_batch(model)
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    quantized = quantized_tensors(model)
+    model.save_pretrained(tmp_path)
+
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info  # no missing (randomly initialised) or unexpected weights
+    for name in hf_accel.report(model)["quantize"].modules:  # stock transformers computes with these values
+        module, weight = model.get_submodule(name), reloaded.get_submodule(name).weight
+        assert torch.equal(weight.t() if arch == "gpt2" and name != "transformer.wte" else weight,
+                           module.dequantized())
+    hf_accel.patch(reloaded.eval(), quantize=scheme, speculative=None, **options)
+    again = quantized_tensors(reloaded)
+    assert again.keys() == quantized.keys() and all(torch.equal(again[k], quantized[k]) for k in quantized)
+    assert torch.equal(reloaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False),
+                       expected)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_loading_other_weights_into_a_quantized_model_quantizes_them(scheme):
+    model, other, reference = (make_tiny_model("llama", seed=seed) for seed in (0, 3, 3))
+    for m in (model, reference):
+        hf_accel.patch(m, quantize=scheme, speculative=None, include=["embed_tokens", "proj"])
+    result = model.load_state_dict(other.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    assert quantized_tensors(model).keys() == quantized_tensors(reference).keys()
+    assert all(torch.equal(a, b) for a, b in zip(quantized_tensors(model).values(),
+                                                   quantized_tensors(reference).values()))
+    ids, mask = left_padded_batch(model)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False),
+                       reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+    with pytest.raises(RuntimeError, match="qweight"):  # a checkpoint in the old layout is refused, not ignored
+        model.load_state_dict({**other.state_dict(), "model.layers.0.mlp.up_proj.qweight": torch.zeros(1)})

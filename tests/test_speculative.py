@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, left_padded_batch, make_tiny_model
-from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList, StoppingCriteria
+from transformers import (
+    GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
+)
 
 import hf_accel
 from hf_accel import Backend, hookimpl
-from hf_accel.speculative import Draft, DraftLength, install_runner
+from hf_accel.speculative import Draft, DraftLength, install_runner, sampling_processors
 
 
 class ScriptedDrafter:
@@ -208,43 +210,69 @@ def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic.double() / 2))
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 1.0, "top_k": 0}, {"temperature": 0.7, "top_k": 5}],
-                         ids=["plain", "temperature-topk"])
-def test_speculative_sampling_follows_the_target_distribution(sampling):
-    """3000 rows sample two tokens each from a 6-token vocabulary; the 36 outcomes are compared with the
-    target's exact distribution by a chi-square test at significance level 0.001 (seeded, so repeatable)."""
-    vocab, rows, prompt = 6, 3000, torch.tensor([[1, 4, 2, 5]])
+class BanToken(LogitsProcessor):
+    """A user's processor: token ``banned`` gets probability 0 (a drafter keeps proposing it)."""
+
+    def __init__(self, banned: int) -> None:
+        self.banned = banned
+
+    def __call__(self, input_ids, scores):
+        return scores.index_fill(-1, torch.tensor([self.banned]), -float("inf"))
+
+
+def exact_continuations(model, prompt: torch.Tensor, processors, vocab: int, n: int) -> torch.Tensor:
+    """The probability of each of the vocab**n continuations of ``prompt`` under ``processors`` (row-major
+    index: first token most significant), from the model's own forwards over every prefix."""
+    joint = torch.ones(1, dtype=torch.float64)
+    for depth in range(n):
+        prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * depth).reshape(-1, depth) if depth else \
+            torch.zeros(1, 0, dtype=torch.long)
+        ids = torch.cat([prompt.expand(len(prefixes), -1), prefixes], dim=1)
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1]
+        probs = torch.stack([processors(ids[i:i + 1], logits[i:i + 1].clone())[0] for i in range(len(ids))])
+        joint = (joint[:, None] * probs.double().softmax(-1)).reshape(-1)
+    return joint
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0, "top_k": 0}, {"temperature": 0.7, "top_k": 3},
+                                      {"top_p": 0.7, "top_k": 0}, {"temperature": 1.0, "top_k": 0, "ban": 3}],
+                         ids=["plain", "temperature-topk", "top-p", "user-processor"])
+def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token(sampling):
+    """A left-padded batch of two prompts, 4000 rows each, samples 4 tokens from a 4-token vocabulary with
+    drafts of 2: the first token comes from the prompt, the next two from draft positions 0 and 1 (or their
+    resampling) and the fourth from the bonus token or a later draft. Each prompt's 256 outcomes are compared
+    with the target's exact distribution by a chi-square test at significance level 0.001 (seeded)."""
+    vocab, rows, new = 4, 4000, 4
+    prompts = [torch.tensor([[1, 3, 2, 3]]), torch.tensor([[2, 1]])]
     config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
                          pad_token_id=None)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(8)  # a peaked target, unlike the drafter's q
-    warp = lambda logits: _warp(logits, **sampling)
-    with torch.no_grad():
-        first = warp(model(prompt).logits[0, -1]).softmax(-1)
-        seconds = torch.stack([warp(model(torch.cat([prompt, torch.tensor([[t]])], 1)).logits[0, -1]).softmax(-1)
-                               for t in range(vocab)])
-    exact = (first[:, None] * seconds).reshape(-1)
+        model.lm_head.weight.mul_(6)  # a peaked target, unlike the drafter's q
+    sampling = dict(sampling)
+    user = LogitsProcessorList([BanToken(sampling.pop("ban"))] if "ban" in sampling else [])
+    reference = LogitsProcessorList([*user, *sampling_processors(GenerationConfig(do_sample=True, **sampling))])
+    exact = [exact_continuations(model, p, reference, vocab, new) for p in prompts]
 
+    ids = torch.zeros(2 * rows, 4, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i * rows:(i + 1) * rows, -p.shape[1]:] = p
+        mask[i * rows:(i + 1) * rows, -p.shape[1]:] = 1
     hf_accel.patch(model, compile=None, speculative="test_drafter",
-                   plugins=[drafter_plugin(lambda m, c: RandomDrafter(vocab), k=3)])
+                   plugins=[drafter_plugin(lambda m, c: RandomDrafter(vocab), k=2, low=2, high=2)])
     torch.manual_seed(1)
-    out = model.generate(prompt.repeat(rows, 1), attention_mask=torch.ones(rows, 4, dtype=torch.long),
-                         do_sample=True, max_new_tokens=2, pad_token_id=0, **sampling)
-    pairs = out[:, 4] * vocab + out[:, 5]
-    observed = torch.bincount(pairs, minlength=vocab * vocab).double()
-    assert stats(model)["accepted"] < stats(model)["drafted"]  # rejections happened and were corrected
-    assert chi_square_p_value(observed, exact.double() * rows) > 0.001
-
-
-def _warp(logits, temperature, top_k):
-    logits = logits / temperature
-    if top_k:
-        kth = logits.topk(top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    return logits
+    out = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new, pad_token_id=0,
+                         logits_processor=user, **sampling)[:, 4:]
+    assert 0 < stats(model)["accepted"] < stats(model)["drafted"]  # rejections happened and were corrected
+    index = sum(out[:, j] * vocab ** (new - 1 - j) for j in range(new))
+    for i in range(len(prompts)):
+        observed = torch.bincount(index[i * rows:(i + 1) * rows], minlength=vocab ** new).double()
+        assert observed[exact[i] == 0].sum() == 0  # nothing the processors ruled out
+        assert chi_square_p_value(observed, exact[i] * rows) > 0.001
 
 
 @pytest.mark.parametrize("lengths", [(9,), (7, 3, 5)], ids=["batch1", "batch3-left-padded"])
