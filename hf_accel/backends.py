@@ -56,8 +56,11 @@ class Option:
     expected: str
 
     @classmethod
-    def integer(cls, default: int, minimum: int = 1) -> Option:
-        return cls(default, lambda v: _is_int(v) and v >= minimum, f"an integer of at least {minimum}")
+    def integer(cls, default: int, minimum: int = 1, maximum: int | None = None) -> Option:
+        if maximum is None:
+            return cls(default, lambda v: _is_int(v) and v >= minimum, f"an integer of at least {minimum}")
+        return cls(default, lambda v: _is_int(v) and minimum <= v <= maximum,
+                   f"an integer from {minimum} to {maximum}")
 
     @classmethod
     def choice(cls, default: Any, *choices: Any) -> Option:
@@ -102,6 +105,14 @@ class PatchContext:
     @property
     def dtype(self) -> torch.dtype:
         return self.state.dtype
+
+    def before_each_call(self, check: Callable[[], None]) -> None:
+        """Run ``check`` at the start of every ``generate`` call of the patched model (under its lock), until
+        unpatch: for a backend to notice that something it prepared no longer matches the model (weights
+        edited since, for example) and bring it up to date."""
+        checks = self.state.call_checks
+        checks.append(check)
+        self.changes.on_undo(lambda: checks.remove(check))
 
     def option(self, name: str, default: Any = None) -> Any:
         """The user's ``patch(..., name=value)``, or ``default`` (checked against the backends' :class:`Option`

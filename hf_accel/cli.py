@@ -31,7 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (CLIError, ModelNotFoundError, ValueError, PatchError) as exc:
-        print(f"hf-accel {args.command}: error: {exc}", file=sys.stderr)
+        if args.verbose:
+            raise
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        more = " (more with -v)" if len(lines) > 1 else ""
+        print(f"hf-accel {args.command}: error: {lines[0]}{more}", file=sys.stderr)
         return 2
 
 

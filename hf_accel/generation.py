@@ -58,9 +58,10 @@ class GenerateCall:
                 made = sequences.shape[-1] - shape.prompt_length if sequences is not None else 0
             finally:
                 step.end_call(made)
-            return out
+            return _without_cache(out, kwargs[cache_keyword(self.model)])
         if shape is not None and (cache := self.reusable_cache()) is not None:
             kwargs[cache_keyword(self.model)] = cache
+            return _without_cache(self.state.original_generate(*self.args, **kwargs), cache)
         return self.state.original_generate(*self.args, **kwargs)
 
     def _served_shape(self, kwargs: dict[str, Any]) -> _CallShape | None:
@@ -92,6 +93,14 @@ class GenerateCall:
         return cache
 
 
+def _without_cache(out: Any, cache: Any) -> Any:
+    """``out`` without the patch's own cache (``return_dict_in_generate=True`` returns the cache it ran over):
+    the next call reuses that cache, so a user who kept it would continue from another call's state."""
+    if isinstance(out, torch.Tensor) or getattr(out, "cache", None) is not cache:
+        return out
+    return type(out)(**{key: value for key, value in out.items() if value is not cache})
+
+
 def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword transformers reads a KV cache from, in ``forward`` and ``generate`` alike: ``cache`` from
     5.24 on (``past_key_values`` is deprecated there, to be removed in 5.40 and 6.0), ``past_key_values``
@@ -120,7 +129,15 @@ def make_patched_generate(model: PreTrainedModel, original: Callable[..., Any]) 
         if state is None:  # unpatched while a reference to this function was kept
             return original(*args, **kwargs)
         with state.lock:  # the patch's caches, compiled steps and draft lengths serve one call at a time
-            return run_generate(state, args, kwargs)
+            if state.depth:  # called from inside a call (a plugin's hook): the patch's caches are in use
+                return original(*args, **kwargs)
+            state.depth += 1
+            try:
+                for check in state.call_checks:
+                    check()
+                return run_generate(state, args, kwargs)
+            finally:
+                state.depth -= 1
 
     return generate
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -56,7 +57,21 @@ def patch(
     target = unwrap_model(model)
     requests = {"quantize": quantize, "attention": attention, "kv_cache": kv_cache, "compile": compile,
                 "speculative": speculative}
+    _validate_call(verify, plugins)
     arguments = {**requests, "verify": verify, "plugins": tuple(plugins), **options}
+    with _PATCHING:  # two threads patching one model: the second sees the first's patch
+        return _patch(model, target, requests, arguments, verify, plugins, options)
+
+
+#: Held while a model is being patched.
+_PATCHING = threading.RLock()
+
+
+def _patch(model: Any, target: Any, requests: dict[str, Any], arguments: dict[str, Any], verify: bool,
+           plugins: Iterable[Any], options: dict[str, Any]) -> Any:
+    pm = plugin_manager_with(plugins)
+    registry = BackendRegistry.collect(pm)
+    _validate(requests, options, registry)
     existing = get_state(target)
     if existing is not None:
         if _same_arguments(existing.arguments, arguments):
@@ -64,9 +79,6 @@ def patch(
             return model
         raise ValueError(f"{type(target).__name__} is already patched with {_argument_text(existing.arguments)}; call "
                          f"hf_accel.unpatch(model) first to patch it with {_argument_text(arguments)}")
-    pm = plugin_manager_with(plugins)
-    registry = BackendRegistry.collect(pm)
-    _validate(requests, options, registry)
     transaction = _Transaction(target, pm, registry, options, verify, arguments)
     try:
         for feature in FEATURE_NAMES:
@@ -98,7 +110,8 @@ def unpatch(model: Any) -> Any:
     reasons = [c.irreversible for c in state.changes if c.irreversible]
     if reasons:
         raise PatchError(f"cannot unpatch {type(target).__name__}: {'; '.join(reasons)}. Reload the model instead.")
-    _undo_all(state.changes)
+    with state.lock:  # after the generate call in progress, if any
+        _undo_all(state.changes)
     return model
 
 
@@ -149,8 +162,15 @@ def check_arguments(plugins: Iterable[Any] = (), **arguments: Any) -> None:
         ValueError: Unknown attention backend 'flashy'; valid values: None, 'auto', 'eager', 'sdpa'. ...
     """
     requests = {f: arguments.pop(f) for f in FEATURE_NAMES if f in arguments}
-    arguments.pop("verify", None)
+    _validate_call(arguments.pop("verify", True), plugins)
     _validate(requests, arguments, BackendRegistry.collect(plugin_manager_with(plugins)))
+
+
+def _validate_call(verify: Any, plugins: Any) -> None:
+    if not isinstance(verify, bool):
+        raise ValueError(f"patch() argument verify={verify!r} is not valid: expected True or False")
+    if isinstance(plugins, (str, bytes)) or not isinstance(plugins, Iterable):
+        raise ValueError(f"patch() argument plugins={plugins!r} is not valid: expected a list of plugin objects")
 
 
 def _validate(requests: Mapping[str, Any], options: Mapping[str, Any], registry: BackendRegistry) -> None:

@@ -78,6 +78,10 @@ class SavedAsFloat(nn.Module):
                 continue
             value = state_dict[key]
             if name == "bias":
+                if value.shape != self.bias.shape:
+                    error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                                      f"the module holds {tuple(self.bias.shape)}")
+                    continue
                 with torch.no_grad():
                     self.bias.copy_(value)
                 continue

@@ -41,10 +41,14 @@ class PatchState:
     kv_cache: Any = None
     #: The compiled decode step stock generate runs (set by a compile backend), or None.
     compiled_step: Any = None
-    #: Held by each generate call: concurrent calls on one model run one at a time, so each returns what it
-    #: would alone (the caches, compiled steps and draft-length state are per model). Calls on different
-    #: models run in parallel. Reentrant: a plugin may call generate from inside a call.
+    #: Held by each generate call and by unpatch: concurrent calls on one model run one at a time, so each
+    #: returns what it would alone (the caches, compiled steps and draft-length state are per model).
     lock: threading.RLock = field(default_factory=threading.RLock)
+    #: generate calls of this model in progress on the thread holding the lock: a call made from inside
+    #: another (a plugin's hook) runs stock generate, since the patch's caches are in use.
+    depth: int = 0
+    #: Run at the start of each generate call: backends' checks that what they prepared still matches.
+    call_checks: list[Callable[[], None]] = field(default_factory=list)
 
     def __repr__(self) -> str:
         return f"<PatchState of {type(self.model).__name__}: {len(self.changes)} backends applied>"

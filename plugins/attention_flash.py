@@ -41,10 +41,14 @@ def sdpa_flash_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.
     causal = attention_mask is None and query.shape[2] > 1 and bool(
         is_causal if is_causal is not None else getattr(module, "is_causal", True))
     kernel, why = _sdpa_kernel_for(query, attention_mask)
-    if not torch.compiler.is_compiling():  # a Python counter in a compiled graph would recompile every step
-        KERNEL_CALLS[f"{kernel.name.lower()}{f' ({why})' if why else ''}"] += 1
     gqa = query.shape[1] != key.shape[1]
-    if gqa and kernel is not SDPBackend.FLASH_ATTENTION and query.device.type != "cpu":
+    if not torch.compiler.is_compiling():  # a Python counter in a compiled graph would recompile every step
+        if query.device.type == "cpu":  # not forced on CPU (see below): count what the dispatcher picks
+            kernel = SDPBackend(torch._fused_sdp_choice(query, key, value, attn_mask=attention_mask,
+                                                        is_causal=causal, scale=scaling, enable_gqa=gqa))
+            why = "" if kernel == SDPBackend.FLASH_ATTENTION else "chosen by the default CPU dispatch"
+        KERNEL_CALLS[f"{kernel.name.lower()}{f' ({why})' if why else ''}"] += 1
+    if gqa and kernel != SDPBackend.FLASH_ATTENTION and query.device.type != "cpu":
         repeat = query.shape[1] // key.shape[1]  # only CUDA's flash and math kernels take GQA natively
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         gqa = False
@@ -74,7 +78,8 @@ def apply_sdpa_flash(context: PatchContext) -> None:
     set_attention(context, SDPA_FLASH)
     context.report.details["kernel_calls"] = KERNEL_CALLS
     context.report.details["kernel_rule"] = (
-        "CPU: flash for every call (masks and GQA supported)" if context.device.type == "cpu"
+        "CPU: the default dispatch, which picks flash for masked and GQA calls (counted per call)"
+        if context.device.type == "cpu"
         else "flash when unmasked fp16/bf16, else memory-efficient")
 
 

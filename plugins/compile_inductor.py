@@ -55,7 +55,7 @@ def install(context: PatchContext) -> None:
 
 
 def _is_store_setting(value: object) -> bool:
-    return value in (True, False, None) or isinstance(value, (str, os.PathLike))
+    return value is None or isinstance(value, (bool, str, os.PathLike))  # not 1 or 0.0, which equal True/False
 
 
 def _store(setting: object) -> CompileStore | None:
@@ -124,7 +124,7 @@ def hf_accel_register_backends(register):
         options={"prepack": Option.flag(True),
                  "compile_mode": Option.choice(None, "default", "reduce-overhead", "max-autotune",
                                                "max-autotune-no-cudagraphs"),
-                 "cache_bucket": Option.integer(256),
+                 "cache_bucket": Option.integer(256, maximum=1 << 16),
                  "compile_when": Option.choice("auto", "first_use"),
                  "compile_cache": Option.any_of(True, _is_store_setting, "True, False, None or a directory path")},
         description="decode step compiled by torch.compile over a fixed-shape static cache (oneDNN weights on CPU)",

@@ -20,27 +20,60 @@ from hf_accel.quantize import children_of_type
 
 #: The row count oneDNN is told to expect when it packs: measured fastest for 1-16 rows on 2 cores.
 PACK_FOR_ROWS = 8
-#: Packed copies by the address of the weight they were packed from, for the traceable op below.
+#: Packed copies by the address of the weight they were packed from, for the traceable op below. An entry
+#: leaves when its weight is freed, or at unpatch.
 _PACKED: dict[int, PackedWeight] = {}
 
 
 @dataclass
 class PackedWeight:
-    """A oneDNN-packed copy of a weight, and the weight's shape and version counter when it was packed."""
+    """A oneDNN-packed copy of a weight, and what the weight was when it was packed: the tensor, its shape,
+    its version counter, and a sample of its values (one per row)."""
 
     packed: torch.Tensor
+    source: weakref.ref
     shape: torch.Size
     version: int
+    sample: torch.Tensor
 
 
 def packed_copy(weight: torch.Tensor, pack_for_rows: int = PACK_FOR_ROWS) -> torch.Tensor:
-    """The packed copy of ``weight``, packed again if the weight changed since (``load_state_dict``, an
-    in-place edit, a merged adapter: each bumps the tensor's version counter)."""
+    """The packed copy of ``weight``, packed again if the weight changed since: ``load_state_dict`` and in-place
+    edits bump its version counter; a new tensor has another address (see :func:`drop_if_edited` for edits
+    through ``.data``, which do neither)."""
     entry = _PACKED.get(weight.data_ptr())
-    if entry is None or entry.version != weight._version or entry.shape != weight.shape:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_for_rows)
-        entry = _PACKED[weight.data_ptr()] = PackedWeight(packed, weight.shape, weight._version)
+    if entry is None or entry.version != _version(weight) or entry.shape != weight.shape:
+        entry = _pack(weight, pack_for_rows, entry)
     return entry.packed
+
+
+def _pack(weight: torch.Tensor, pack_for_rows: int, stale: PackedWeight | None) -> PackedWeight:
+    address = weight.data_ptr()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_for_rows)
+    entry = _PACKED[address] = PackedWeight(packed, weakref.ref(weight), weight.shape, _version(weight),
+                                            _sample(weight))
+    if stale is None or stale.source() is not weight:  # once per tensor: its address may be reused when it dies
+        weakref.finalize(weight, _PACKED.pop, address, None)
+    return entry
+
+
+def drop_if_edited(weight: torch.Tensor) -> None:
+    """Forget the packed copy of ``weight`` if the sampled values changed (an edit through ``weight.data``,
+    as PEFT's merge makes, bumps no version counter): the next product packs it again."""
+    entry = _PACKED.get(weight.data_ptr())
+    if entry is not None and not torch.equal(entry.sample, _sample(weight)):
+        del _PACKED[weight.data_ptr()]
+
+
+def _version(weight: torch.Tensor) -> int:
+    return -1 if weight.is_inference() else weight._version  # inference tensors keep no version counter
+
+
+def _sample(weight: torch.Tensor) -> torch.Tensor:
+    """One value of each row, from columns spread across the matrix."""
+    rows, columns = weight.shape
+    index = torch.arange(rows, device=weight.device)
+    return weight.detach()[index, (index * 7919) % columns].clone()
 
 
 # An opaque op, so torch.compile calls it as it is (inductor cannot trace a oneDNN-layout tensor). Defined
@@ -81,7 +114,15 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.original = [linear]  # a list, so the original is not registered as a submodule
         packed_copy(self.weight)
-        weakref.finalize(self, _PACKED.pop, self.weight.data_ptr(), None)
+        self._packed_for = weakref.ref(self.weight)
+
+    def hand_back(self) -> nn.Linear:
+        """The original module, holding the weight and bias this one holds now (they may have been replaced
+        since the patch), without a packed copy of them."""
+        original = self.original[0]
+        original.weight, original.bias = self.weight, self.bias
+        _PACKED.pop(self.weight.data_ptr(), None)
+        return original
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed"
@@ -91,6 +132,11 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
             return torch.ops.hf_accel.onednn_linear(x, self.weight, self.bias)
+        if self._packed_for() is not self.weight:  # replaced: the old weight lives on in the original module
+            previous = self._packed_for()
+            if previous is not None:
+                _PACKED.pop(previous.data_ptr(), None)
+            self._packed_for = weakref.ref(self.weight)
         return onednn_linear(x, self.weight, self.bias)
 
 
@@ -100,9 +146,14 @@ def linear_children(model: nn.Module):
 
 
 def pack_linears(context: PatchContext) -> None:
+    packed = []
     for parent, name, qualified, linear in list(linear_children(context.model)):
-        context.changes.set_submodule(parent, name, PackedLinear(linear))
+        packed.append(PackedLinear(linear))
+        context.changes.set_submodule(parent, name, packed[-1])
         context.report.modules.append(qualified)
+    # Undone after the modules are back: weights replaced after the patch stay with the model.
+    context.changes.on_undo(lambda: [module.hand_back() for module in packed])
+    context.before_each_call(lambda: [drop_if_edited(module.weight) for module in packed])
     context.report.details["packed_linears"] = len(context.report.modules)
 
 

@@ -81,7 +81,7 @@ def hf_accel_register_backends(register):
         why_unsuitable=why_unsuitable,
         probe="generate",
         priority=10,
-        options={"cache_capacity": Option.integer(INITIAL_CAPACITY)},
+        options={"cache_capacity": Option.integer(INITIAL_CAPACITY, maximum=1 << 20)},
         description="preallocated KV cache written in place and reused across calls",
     ))
     register(Backend(
@@ -91,6 +91,6 @@ def hf_accel_register_backends(register):
         why_unsuitable=why_unsuitable,
         probe=None,  # lossy by design: the backend measures and reports its own cost instead
         lossless=False,
-        options={"cache_capacity": Option.integer(INITIAL_CAPACITY)},
+        options={"cache_capacity": Option.integer(INITIAL_CAPACITY, maximum=1 << 20)},
         description="the static cache with keys and values stored in int8 (one scale per head and position)",
     ))

@@ -50,8 +50,10 @@ def bnb_linear(linear: nn.Module, scheme: str, compute_dtype: torch.dtype, doubl
     if bias is not None:
         module.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
     module = module.to(device)  # bitsandbytes quantizes when the weight moves to a real device
-    module.register_state_dict_post_hook(
-        functools.partial(_float_state, dtype=weight.dtype, transposed=isinstance(linear, Conv1D)))
+    # On the instance, in place of bitsandbytes' own: that one first undoes the CPU kernel's repacking of
+    # 4-bit codes, which (bitsandbytes 0.50) scrambles rows of the layer itself.
+    module._save_to_state_dict = functools.partial(_save_float_state, module, dtype=weight.dtype,
+                                                   transposed=isinstance(linear, Conv1D))
     module.register_load_state_dict_pre_hook(_refuse_float_weights)
     return module
 
@@ -61,22 +63,27 @@ def dequantized(module: nn.Module) -> torch.Tensor:
     import bitsandbytes as bnb
 
     weight = module.weight
-    if getattr(weight, "quant_state", None) is not None:  # 4-bit
-        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
+    if getattr(weight, "quant_state", None) is not None:
+        # 4-bit: the layer's own product with the identity, so whatever layout its CPU kernel repacked the
+        # codes into at the first forward is read as the kernel reads it (bitsandbytes' inverse of that
+        # repacking mixed up rows here). Products with 1 and 0 are exact: these are its weights.
+        eye = torch.eye(module.in_features, device=weight.device, dtype=module.compute_dtype or torch.float32)
+        with torch.no_grad():
+            return bnb.matmul_4bit(eye, weight, bias=None, quant_state=weight.quant_state).float().t()
     # LLM.int8: one absmax per row, which bitsandbytes moves to the layer's state at its first forward.
     row_absmax = weight.SCB if getattr(weight, "SCB", None) is not None else module.state.SCB
     return weight.data.float() * row_absmax.float()[:, None] / 127
 
 
-def _float_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, dtype: torch.dtype,
-                 transposed: bool) -> None:
+def _save_float_state(module: nn.Module, destination: dict, prefix: str, keep_vars: bool, dtype: torch.dtype,
+                      transposed: bool) -> None:
     """The layer's state as the float module it replaced (``Conv1D`` stores ``[in, out]``): ``weight`` (what it
     computes with) and ``bias``, not bitsandbytes' codes and statistics, which transformers would load into a
     float model as numbers."""
-    for key in [k for k in state_dict if k.startswith(prefix) and k != prefix + "bias"]:
-        del state_dict[key]
     weight = dequantized(module)
-    state_dict[prefix + "weight"] = (weight.t() if transposed else weight).to(dtype)
+    destination[prefix + "weight"] = (weight.t() if transposed else weight).to(dtype)
+    if module.bias is not None:
+        destination[prefix + "bias"] = module.bias if keep_vars else module.bias.detach()
 
 
 def _refuse_float_weights(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:

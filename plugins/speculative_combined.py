@@ -99,6 +99,6 @@ def hf_accel_register_backends(register):
         capabilities=Capabilities(devices=("cpu",), dtypes=(torch.float32, torch.bfloat16)),
         probe="generate",
         priority=15,
-        options={"ngram_size": Option.integer(3)},
+        options={"ngram_size": Option.integer(3, maximum=64)},
         description="an int4 copy of the target drafts, prompt lookup extends its drafts",
     ))

@@ -61,6 +61,6 @@ def hf_accel_register_backends(register):
         why_unsuitable=object_request_problem,
         probe="generate",
         priority=10,
-        options={"ngram_size": Option.integer(3), "num_draft_tokens": Option.integer(10)},
+        options={"ngram_size": Option.integer(3, maximum=64), "num_draft_tokens": Option.integer(10, maximum=64)},
         description="prompt lookup: drafts copied from earlier in the prompt and output",
     ))

@@ -108,6 +108,20 @@ def test_every_hf_accel_error_is_one_line_and_exit_2(error, monkeypatch, capsys)
     assert err == f"hf-accel doctor: error: {error}\n"
 
 
+def test_a_multi_line_error_is_its_first_line_and_the_rest_with_verbose(monkeypatch, capsys):
+    error = hf_accel.PatchError("plugin 'x' failed in the compile phase: BackendCompilerFailed: inductor\n  File ...\n")
+
+    def fails(args):
+        raise error
+
+    monkeypatch.setattr(cli, "cmd_doctor", fails)
+    assert main(["doctor"]) == 2
+    assert capsys.readouterr().err == ("hf-accel doctor: error: plugin 'x' failed in the compile phase: "
+                                       "BackendCompilerFailed: inductor (more with -v)\n")
+    with pytest.raises(hf_accel.PatchError):
+        main(["-v", "doctor"])
+
+
 def test_bench_rejects_a_malformed_prompts_file(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\nnot json\n')

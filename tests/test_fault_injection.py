@@ -58,9 +58,10 @@ def assert_unchanged(before: dict, after: dict) -> None:
     assert torch.equal(before["logits"], after["logits"]) and torch.equal(before["tokens"], after["tokens"])
 
 
-def fail_after_apply(monkeypatch, name: str) -> list[str]:
-    """The named backend's apply runs to its end, then raises; returns the list it records its calls in."""
-    calls = []
+def fail_in_apply(monkeypatch, name: str, after_edits: int | None) -> list[int]:
+    """The named backend's apply raises once it has recorded ``after_edits`` edits (None: at its end);
+    returns a list that receives the number of edits it had made when it failed."""
+    failed_at = []
     collect = BackendRegistry.collect.__func__
 
     def with_failing_backend(cls, pm):
@@ -68,25 +69,48 @@ def fail_after_apply(monkeypatch, name: str) -> list[str]:
         backend = registry.get(name)
 
         def apply(context):
-            calls.append(name)
+            changes = context.changes
+            for method in ("setattr", "set_submodule", "on_undo"):
+                setattr(changes, method, failing_after(getattr(changes, method), changes))
             backend.apply(context)
+            failed_at.append(len(changes))
             raise Injected(f"injected into {name}.apply")
+
+        def failing_after(record, changes):
+            def edit(*args, **kwargs):
+                record(*args, **kwargs)
+                if after_edits is not None and len(changes) >= after_edits and not failed_at:
+                    failed_at.append(len(changes))
+                    raise Injected(f"injected into {name}.apply")
+            return edit
 
         registry._backends[name] = dataclasses.replace(backend, apply=apply)
         return registry
 
     monkeypatch.setattr(BackendRegistry, "collect", classmethod(with_failing_backend))
-    return calls
+    return failed_at
 
 
+@pytest.mark.parametrize("after_edits", [1, None], ids=["after-its-first-edit", "at-its-end"])
 @pytest.mark.parametrize("feature, name", BACKENDS)
-def test_a_failure_in_a_backend_apply_leaves_the_model_as_it_was(feature, name, monkeypatch):
+def test_a_failure_in_a_backend_apply_leaves_the_model_as_it_was(feature, name, after_edits, monkeypatch):
     model = make_tiny_model("llama")
     before = snapshot(model)
-    calls = fail_after_apply(monkeypatch, name)
+    failed_at = fail_in_apply(monkeypatch, name, after_edits)
     with pytest.raises(hf_accel.PatchError, match=f"injected into {name}.apply"):
         hf_accel.patch(model, **request_for(feature, name))
-    assert calls == [name]
+    assert len(failed_at) == 1 and (after_edits is None or failed_at == [after_edits])
+    assert_unchanged(before, snapshot(model))
+
+
+def test_a_failure_in_the_last_phase_undoes_every_phase_before_it(monkeypatch):
+    """quantize, attention, kv_cache and compile applied; speculative's backend fails half-way."""
+    model = make_tiny_model("llama")
+    before = snapshot(model)
+    fail_in_apply(monkeypatch, "ngram", after_edits=1)
+    with pytest.raises(hf_accel.PatchError, match="injected into ngram.apply"):
+        hf_accel.patch(model, quantize="int8", keep_original=True, attention="sdpa_flash", kv_cache="static",
+                       compile="inductor", speculative="ngram")
     assert_unchanged(before, snapshot(model))
 
 

@@ -158,20 +158,56 @@ def test_int8_layer_round_trips_within_half_a_step_of_its_scale():
     assert layer.get_seq_length() == 3 and layer.keys.shape[2] == 3
 
 
-def test_packed_linears_follow_weight_changes_after_patch():
-    """load_state_dict, an in-place edit (what merging an adapter does) and a replaced Parameter: each
-    call after a change computes with the new weights, like an unpatched model given the same change."""
+WEIGHT_CHANGES = {
+    "load_state_dict": lambda m: m.load_state_dict(make_tiny_model("llama", seed=4).state_dict()),
+    "in-place edit": lambda m: m.model.layers[0].mlp.down_proj.weight.mul_(3),
+    "edit through .data (PEFT's merge)": lambda m: m.model.layers[1].self_attn.q_proj.weight.data.add_(0.05),
+    "new Parameter": lambda m: setattr(m.lm_head, "weight",
+                                       torch.nn.Parameter(m.lm_head.weight * -1, requires_grad=False)),
+}
+
+
+@pytest.mark.parametrize("options", [{"compile": "onednn_prepack"}, {}], ids=["onednn_prepack", "default"])
+def test_packed_linears_follow_weight_changes_after_patch(options):
+    """Each generate call after a change computes with the new weights, like an unpatched model given the
+    same change; unpatch keeps the changed weights."""
     model, stock = make_tiny_model("llama"), make_tiny_model("llama")
-    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    hf_accel.patch(model, speculative=None, **options)
+    assert isinstance(model.lm_head, PackedLinear)
     ids, mask = left_padded_batch(model)
-    changes = [
-        lambda m: m.load_state_dict(make_tiny_model("llama", seed=4).state_dict()),
-        lambda m: m.model.layers[0].mlp.down_proj.weight.mul_(3),
-        lambda m: setattr(m.lm_head, "weight", torch.nn.Parameter(m.lm_head.weight * -1, requires_grad=False)),
-    ]
-    for change in changes:
+    for name, change in WEIGHT_CHANGES.items():
         with torch.no_grad():  # as in generate: the packed path runs only without autograd
             change(model)
             change(stock)
-            torch.testing.assert_close(model(ids, attention_mask=mask).logits,
-                                       stock(ids, attention_mask=mask).logits, rtol=1e-4, atol=1e-4)
+        expected = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False),
+                           expected), name
+    hf_accel.unpatch(model)
+    assert_same_state(state_dict_copy(stock), state_dict_copy(model))
+
+
+def test_replaced_weights_leave_no_packed_copies_behind():
+    from hf_accel_plugins.compile_onednn import _PACKED
+
+    model = make_tiny_model("llama")
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    ids, mask = left_padded_batch(model)
+    before = len(_PACKED)
+    for _ in range(5):
+        with torch.no_grad():
+            model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight), requires_grad=False)
+            model(ids, attention_mask=mask)
+    assert len(_PACKED) == before  # each replaced weight's copy went with it
+    hf_accel.unpatch(model)
+    assert len(_PACKED) == before - sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+
+def test_a_model_made_in_inference_mode_can_be_prepacked():
+    with torch.inference_mode():
+        model = make_tiny_model("llama")
+        ids, mask = left_padded_batch(model)
+        expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    with torch.inference_mode():
+        assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False),
+                           expected)

@@ -100,13 +100,23 @@ def test_a_saved_bitsandbytes_model_reloads_as_the_floats_it_computes_with(arch,
     pytest.importorskip("bitsandbytes")
     from hf_accel_plugins.quantize_bnb import dequantized
 
-    model = make_tiny_model(arch)
+    model, original = make_tiny_model(arch), make_tiny_model(arch)
     hf_accel.patch(model, quantize="bnb", bnb_quant_type=scheme, speculative=None)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():  # bitsandbytes' CPU kernel repacks 4-bit codes (and computes in bf16) from here on
+        logits = model(ids).logits
     model.save_pretrained(tmp_path)
+    with torch.no_grad():  # saving left the layers as they were (bitsandbytes' own state_dict does not)
+        assert torch.equal(model(ids).logits, logits)
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not any(info.values()), info
+    # Within the scheme's rounding of the original weights (NF4: half the widest gap between its levels,
+    # 0.152 of a block's absmax; LLM.int8: a step of 1/127 of a row's absmax, weights rounded to fp16 first),
+    # not bitsandbytes' codes read as numbers.
+    bound = {"nf4": 0.16, "int8": 1 / 127}[scheme]
     for name in hf_accel.report(model)["quantize"].modules:
-        weight = reloaded.get_submodule(name).weight
+        weight, before = reloaded.get_submodule(name).weight, original.get_submodule(name).weight
+        assert (weight - before).abs().max() <= bound * before.abs().max(), name
         assert torch.equal(weight.t() if arch == "gpt2" else weight, dequantized(model.get_submodule(name)))
     with pytest.raises(RuntimeError, match="load them before patching"):
         model.load_state_dict(reloaded.state_dict())
