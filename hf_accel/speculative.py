@@ -423,13 +423,17 @@ class SelfDrafter(ModelDrafter):
     def start(self, loop: SpeculativeLoop) -> None:
         self.lm = loop.make_lm(self.model, "draft")
         self.lm.mirror(loop.target)
-        self._synced, self._realignments = self.lm.mask.shape[1], loop.target.realignments
+        self._synced, self._realignments = self.lm.mask.shape[1], self._moves(loop)
+
+    def _moves(self, loop: SpeculativeLoop) -> tuple[int, int]:
+        """How often either cache moved its slots (realigned or compacted): then every slot may differ."""
+        return loop.target.realignments, self.lm.realignments
 
     def _catch_up(self, loop: SpeculativeLoop) -> torch.Tensor:
         target = loop.target
-        start = self._synced if target.realignments == self._realignments else 0
+        start = self._synced if self._moves(loop) == self._realignments else 0
         self.lm.mirror(target, min(start, target.mask.shape[1]))
-        self._synced, self._realignments = target.mask.shape[1], target.realignments
+        self._synced, self._realignments = target.mask.shape[1], self._moves(loop)
         newest = torch.stack([row[-1] for row in loop.rows])[:, None]
         return self.lm.extend(newest)[:, -1]
 

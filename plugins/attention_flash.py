@@ -180,5 +180,6 @@ def hf_accel_register_backends(register):
         why_unsuitable=lambda context: transformers_refusal(context, SDPA_FLASH),
         capabilities=Capabilities(softcap=False),
         priority=20,
-        description="PyTorch's flash kernel chosen explicitly, GQA without repeating keys/values",
+        description="PyTorch's flash kernel (chosen on CUDA, picked by the dispatcher on CPU), GQA without repeating "
+                    "keys/values",
     ))
