@@ -79,11 +79,13 @@ def test_preallocated_cache_is_reused_after_reset(llama):
     cache = PreallocatedCache(llama.config, capacity=64)
     ids, mask = left_padded_batch(llama, (9,))
     expected = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, past_key_values=cache)
+    out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                         **{cache_keyword(llama): cache})
     assert torch.equal(out, expected)
     buffers = [layer._stores["keys"][0] for layer in cache.layers]
     cache.reset()
-    out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, past_key_values=cache)
+    out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                         **{cache_keyword(llama): cache})
     assert torch.equal(out, expected) and all(a is layer._stores["keys"][0] for a, layer in zip(buffers, cache.layers))
 
 
@@ -118,7 +120,7 @@ def test_a_call_with_its_own_cache_is_left_alone(llama):
     ids, mask = left_padded_batch(llama, (5,))
     own, ours = DynamicCache(), llama._hf_accel_state.kv_cache.layers[0]
     before = ours.length
-    llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, past_key_values=own)
+    llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **{cache_keyword(llama): own})
     assert own.get_seq_length() > 0 and ours.length == before
 
 
