@@ -41,10 +41,13 @@ class Changes:
         setattr(obj, name, value)
 
     def set_submodule(self, parent: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace the child module ``parent.<name>``; the original comes back on undo."""
+        """Replace the child module ``parent.<name>``; the original comes back on undo, unless the user has put
+        another module there since (``resize_token_embeddings``, pruning): that one stays."""
         if name not in parent._modules:
             raise KeyError(f"{type(parent).__name__} has no child module {name!r}")
-        self.setattr(parent, name, module)
+        original = parent._modules[name]
+        self._undos.append(lambda: _put_back(parent, name, module, original))
+        setattr(parent, name, module)
 
     def mark_irreversible(self, reason: str) -> None:
         """Say that undoing cannot restore the model exactly (e.g. quantized weights without originals)."""
@@ -90,3 +93,10 @@ def _restorer(obj: Any, name: str) -> Callable[[], None]:
 def _delete_if_present(obj: Any, name: str) -> None:
     if name in vars(obj):
         delattr(obj, name)
+
+
+def _put_back(parent: nn.Module, name: str, ours: nn.Module, original: nn.Module) -> None:
+    if parent._modules.get(name) is ours:
+        setattr(parent, name, original)
+    else:
+        logger.info("hf_accel: %s.%s was replaced after the patch; keeping the new module", type(parent).__name__, name)

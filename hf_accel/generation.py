@@ -94,9 +94,10 @@ class GenerateCall:
 
 
 def _without_cache(out: Any, cache: Any) -> Any:
-    """``out`` without the patch's own cache (``return_dict_in_generate=True`` returns the cache it ran over):
-    the next call reuses that cache, so a user who kept it would continue from another call's state."""
-    if isinstance(out, torch.Tensor) or getattr(out, "cache", None) is not cache:
+    """``out`` without the patch's own cache (``return_dict_in_generate=True`` returns the cache it ran over,
+    as ``cache``, or ``past_key_values`` before transformers 5.24): the next call reuses that cache, so a
+    user who kept it would continue from another call's state."""
+    if isinstance(out, torch.Tensor) or not any(value is cache for value in out.values()):
         return out
     return type(out)(**{key: value for key, value in out.items() if value is not cache})
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -58,13 +59,20 @@ def patch(
     requests = {"quantize": quantize, "attention": attention, "kv_cache": kv_cache, "compile": compile,
                 "speculative": speculative}
     _validate_call(verify, plugins)
-    arguments = {**requests, "verify": verify, "plugins": tuple(plugins), **options}
-    with _PATCHING:  # two threads patching one model: the second sees the first's patch
+    plugins = tuple(plugins)  # once: a generator would be empty the second time
+    arguments = {**requests, "verify": verify, "plugins": plugins, **options}
+    with _patch_lock(target):  # two threads patching one model: the second sees the first's patch
         return _patch(model, target, requests, arguments, verify, plugins, options)
 
 
-#: Held while a model is being patched.
-_PATCHING = threading.RLock()
+_PATCH_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_PATCH_LOCKS_LOCK = threading.Lock()
+
+
+def _patch_lock(model: Any) -> threading.RLock:
+    """Held while ``model`` is being patched (other models patch in parallel)."""
+    with _PATCH_LOCKS_LOCK:
+        return _PATCH_LOCKS.setdefault(model, threading.RLock())
 
 
 def _patch(model: Any, target: Any, requests: dict[str, Any], arguments: dict[str, Any], verify: bool,
@@ -111,6 +119,9 @@ def unpatch(model: Any) -> Any:
     if reasons:
         raise PatchError(f"cannot unpatch {type(target).__name__}: {'; '.join(reasons)}. Reload the model instead.")
     with state.lock:  # after the generate call in progress, if any
+        if state.depth:
+            raise PatchError(f"unpatch({type(target).__name__}) was called from inside one of its generate calls "
+                             "(a hook, streamer or stopping criterion); call it after generate returns")
         _undo_all(state.changes)
     return model
 

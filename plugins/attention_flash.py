@@ -1,9 +1,11 @@
 """FlashAttention for any transformers causal LM, set on one model instance.
 
-``sdpa_flash``: PyTorch's own flash kernel through ``scaled_dot_product_attention`` with the kernel chosen
-explicitly and grouped-query attention computed natively (keys and values are never repeated per query
-head). On CPU the flash kernel takes any mask, so it runs for every call; on CUDA it cannot take a mask, so
-padded or sliding-window calls run the memory-efficient kernel instead, and the report counts both.
+``sdpa_flash``: PyTorch's own flash kernel through ``scaled_dot_product_attention``, with grouped-query
+attention computed natively (keys and values are never repeated per query head). On CUDA the kernel is
+chosen per call: flash, or the memory-efficient kernel for padded or sliding-window calls, which flash
+cannot mask. On CPU the flash kernel takes any mask and the default dispatch picks it once GQA is native,
+so nothing is forced there (``sdpa_kernel`` flips process-wide flags); the report counts, per call, the
+kernel the dispatcher picked.
 
 ``flash_attn``: the ``flash-attn`` package (FlashAttention-2, CUDA, fp16/bf16). Unpadded calls go to
 ``flash_attn_func``; padded batches are unpadded to ``cu_seqlens`` and sent to ``flash_attn_varlen_func``,
@@ -44,8 +46,9 @@ def sdpa_flash_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.
     gqa = query.shape[1] != key.shape[1]
     if not torch.compiler.is_compiling():  # a Python counter in a compiled graph would recompile every step
         if query.device.type == "cpu":  # not forced on CPU (see below): count what the dispatcher picks
-            kernel = SDPBackend(torch._fused_sdp_choice(query, key, value, attn_mask=attention_mask,
-                                                        is_causal=causal, scale=scaling, enable_gqa=gqa))
+            kernel = SDPBackend(torch._fused_sdp_choice(
+                query, key, value, attn_mask=attention_mask, dropout_p=dropout if module.training else 0.0,
+                is_causal=causal, scale=scaling, enable_gqa=gqa))
             why = "" if kernel == SDPBackend.FLASH_ATTENTION else "chosen by the default CPU dispatch"
         KERNEL_CALLS[f"{kernel.name.lower()}{f' ({why})' if why else ''}"] += 1
     if gqa and kernel != SDPBackend.FLASH_ATTENTION and query.device.type != "cpu":

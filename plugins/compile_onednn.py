@@ -20,68 +20,69 @@ from hf_accel.quantize import children_of_type
 
 #: The row count oneDNN is told to expect when it packs: measured fastest for 1-16 rows on 2 cores.
 PACK_FOR_ROWS = 8
-#: Packed copies by the address of the weight they were packed from, for the traceable op below. An entry
-#: leaves when its weight is freed, or at unpatch.
+#: Packed copies by the ``id`` of the weight tensor they were packed from (the module's own Parameter: the
+#: compiled graphs pass it to the op below as it is). An entry leaves when its tensor dies, or at unpatch.
 _PACKED: dict[int, PackedWeight] = {}
-
-
-@dataclass
-class PackedWeight:
-    """A oneDNN-packed copy of a weight, and what the weight was when it was packed: the tensor, its shape,
-    its version counter, and a sample of its values."""
-
-    packed: torch.Tensor
-    source: weakref.ref
-    shape: torch.Size
-    version: int
-    positions: torch.Tensor  # flat indices of the sampled values
-    sample: torch.Tensor
-
-    def edited(self, weight: torch.Tensor) -> bool:
-        return not torch.equal(self.sample, weight.detach().reshape(-1)[self.positions])
-
-
-def packed_copy(weight: torch.Tensor, pack_for_rows: int = PACK_FOR_ROWS) -> torch.Tensor:
-    """The packed copy of ``weight``, packed again if the weight changed since: ``load_state_dict`` and in-place
-    edits bump its version counter; a new tensor has another address (see :func:`drop_if_edited` for edits
-    through ``.data``, which do neither)."""
-    entry = _PACKED.get(weight.data_ptr())
-    if entry is None or entry.version != _version(weight) or entry.shape != weight.shape:
-        entry = _pack(weight, pack_for_rows, entry)
-    return entry.packed
-
-
-def _pack(weight: torch.Tensor, pack_for_rows: int, stale: PackedWeight | None) -> PackedWeight:
-    address = weight.data_ptr()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_for_rows)
-    positions = _sampled_positions(*weight.shape, device=weight.device)
-    entry = _PACKED[address] = PackedWeight(packed, weakref.ref(weight), weight.shape, _version(weight), positions,
-                                            weight.detach().reshape(-1)[positions])
-    if stale is None or stale.source() is not weight:  # once per tensor: its address may be reused when it dies
-        weakref.finalize(weight, _PACKED.pop, address, None)
-    return entry
-
-
-def drop_if_edited(weight: torch.Tensor) -> None:
-    """Forget the packed copy of ``weight`` if the sampled values changed (an edit through ``weight.data``,
-    as PEFT's merge makes, bumps no version counter): the next product packs it again."""
-    entry = _PACKED.get(weight.data_ptr())
-    if entry is not None and entry.edited(weight):
-        del _PACKED[weight.data_ptr()]
-
-
-def _version(weight: torch.Tensor) -> int:
-    return -1 if weight.is_inference() else weight._version  # inference tensors keep no version counter
-
-
 #: Values of each weight compared at every generate call (a head of 49152 rows read whole took 5 ms).
 SAMPLED_VALUES = 256
 
 
-def _sampled_positions(rows: int, columns: int, device: torch.device) -> torch.Tensor:
-    """Flat indices of ``SAMPLED_VALUES`` values in rows and columns spread across the matrix."""
-    index = torch.linspace(0, rows - 1, min(rows, SAMPLED_VALUES), device=device).long()
-    return index * columns + (index * 7919) % columns
+@dataclass
+class PackedWeight:
+    """A oneDNN-packed copy of a weight, and what the weight was when it was packed: its address (a new one
+    after ``weight.data = ...``), shape and version counter (bumped by in-place edits and
+    ``load_state_dict``), and a sample of its values (for edits through ``weight.data``, which bump none)."""
+
+    packed: torch.Tensor
+    address: int
+    shape: torch.Size
+    version: int
+    rows: torch.Tensor  # where the sampled values are
+    columns: torch.Tensor
+    sample: torch.Tensor
+
+    def current(self, weight: torch.Tensor) -> bool:
+        return (self.address == weight.data_ptr() and self.shape == weight.shape
+                and self.version == _version(weight))
+
+    def edited(self, weight: torch.Tensor) -> bool:
+        return not (self.current(weight) and torch.equal(self.sample, weight.detach()[self.rows, self.columns]))
+
+
+def packed_copy(weight: torch.Tensor, pack_for_rows: int = PACK_FOR_ROWS) -> torch.Tensor:
+    """The packed copy of ``weight``, packed again if the weight changed since (see :class:`PackedWeight`)."""
+    entry = _PACKED.get(id(weight))
+    if entry is None or not entry.current(weight):
+        entry = _pack(weight, pack_for_rows, first=entry is None)
+    return entry.packed
+
+
+def _pack(weight: torch.Tensor, pack_for_rows: int, first: bool) -> PackedWeight:
+    rows, columns = weight.shape
+    index = torch.linspace(0, rows - 1, min(rows, SAMPLED_VALUES), device=weight.device).long()
+    sampled_columns = (index * 7919) % columns
+    entry = _PACKED[id(weight)] = PackedWeight(
+        torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_for_rows), weight.data_ptr(), weight.shape,
+        _version(weight), index, sampled_columns, weight.detach()[index, sampled_columns].clone())
+    if first:  # the old copy of a repacked weight is replaced above; a dead tensor's copy goes here
+        weakref.finalize(weight, _PACKED.pop, id(weight), None)
+    return entry
+
+
+def drop_if_edited(weight: torch.Tensor) -> None:
+    """Forget the packed copy of ``weight`` if it no longer matches the weight, the sampled values included:
+    the next product packs it again."""
+    entry = _PACKED.get(id(weight))
+    if entry is not None and entry.edited(weight):
+        _PACKED.pop(id(weight), None)
+
+
+def forget(weight: torch.Tensor) -> None:
+    _PACKED.pop(id(weight), None)
+
+
+def _version(weight: torch.Tensor) -> int:
+    return -1 if weight.is_inference() else weight._version  # inference tensors keep no version counter
 
 
 # An opaque op, so torch.compile calls it as it is (inductor cannot trace a oneDNN-layout tensor). Defined
@@ -110,9 +111,10 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose forward runs on a oneDNN-packed copy of its weight.
 
-    Keeps the original ``weight`` and ``bias`` parameters (same objects: state_dict keys and tied weights
-    are unchanged), and packs again when the weight changes or is replaced. Falls back to ``F.linear`` when
-    autograd needs the graph.
+    Holds the original ``weight`` and ``bias`` parameters (same objects: state_dict keys and tied weights are
+    unchanged) and packs again when the weight changes. The original module is kept for ``unpatch`` without
+    them, so a weight replaced while patched is not held twice. Falls back to ``F.linear`` when autograd needs
+    the graph.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -120,31 +122,27 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.original = [linear]  # a list, so the original is not registered as a submodule
         packed_copy(self.weight)
-        self._packed_for = weakref.ref(self.weight)
+        self.original = [linear]  # a list, so the original is not registered as a submodule
+        linear.weight, linear.bias = None, None  # given back by hand_back
 
     def hand_back(self) -> nn.Linear:
         """The original module, holding the weight and bias this one holds now (they may have been replaced
-        since the patch), without a packed copy of them."""
+        since the patch); the packed copy is dropped."""
         original = self.original[0]
         original.weight, original.bias = self.weight, self.bias
-        _PACKED.pop(self.weight.data_ptr(), None)
+        forget(self.weight)
         return original
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                "oneDNN-packed")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
             return torch.ops.hf_accel.onednn_linear(x, self.weight, self.bias)
-        if self._packed_for() is not self.weight:  # replaced: the old weight lives on in the original module
-            previous = self._packed_for()
-            if previous is not None:
-                _PACKED.pop(previous.data_ptr(), None)
-            self._packed_for = weakref.ref(self.weight)
         return onednn_linear(x, self.weight, self.bias)
 
 
@@ -154,13 +152,14 @@ def linear_children(model: nn.Module):
 
 
 def pack_linears(context: PatchContext) -> None:
-    packed = []
+    packed: list[PackedLinear] = []
+    # Registered first, so that a patch failing half-way gives every original its weights back (undo runs
+    # newest first: this runs last, after the modules are back in place).
+    context.changes.on_undo(lambda: [module.hand_back() for module in packed])
     for parent, name, qualified, linear in list(linear_children(context.model)):
         packed.append(PackedLinear(linear))
         context.changes.set_submodule(parent, name, packed[-1])
         context.report.modules.append(qualified)
-    # Undone after the modules are back: weights replaced after the patch stay with the model.
-    context.changes.on_undo(lambda: [module.hand_back() for module in packed])
     context.before_each_call(lambda: [drop_if_edited(module.weight) for module in packed])
     context.report.details["packed_linears"] = len(context.report.modules)
 

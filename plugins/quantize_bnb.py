@@ -25,6 +25,8 @@ from hf_accel.quantize import (
 
 logger = logging.getLogger(__name__)
 SCHEMES = ("nf4", "fp4", "int8")
+#: Columns of a repacked 4-bit weight read per product when saving (bounds the identity block's memory).
+IDENTITY_BLOCK = 1024
 
 
 def scheme_of(context: PatchContext) -> str:
@@ -63,13 +65,20 @@ def dequantized(module: nn.Module) -> torch.Tensor:
     import bitsandbytes as bnb
 
     weight = module.weight
-    if getattr(weight, "quant_state", None) is not None:
-        # 4-bit: the layer's own product with the identity, so whatever layout its CPU kernel repacked the
-        # codes into at the first forward is read as the kernel reads it (bitsandbytes' inverse of that
-        # repacking mixed up rows here). Products with 1 and 0 are exact: these are its weights.
-        eye = torch.eye(module.in_features, device=weight.device, dtype=module.compute_dtype or torch.float32)
+    state = getattr(weight, "quant_state", None)
+    if state is not None and not getattr(state, "packing_format_for_cpu", False):
+        return bnb.functional.dequantize_4bit(weight.data, state).float()
+    if state is not None:
+        # 4-bit codes the CPU kernel repacked at the first forward: read through the layer's own product with
+        # the identity, in blocks of columns, as the kernel reads them (bitsandbytes' inverse of the repacking
+        # mixed up rows here). Products with 1 and 0 are exact: these are its weights.
+        dtype = module.compute_dtype or torch.float32
+        columns = []
         with torch.no_grad():
-            return bnb.matmul_4bit(eye, weight, bias=None, quant_state=weight.quant_state).float().t()
+            for start in range(0, module.in_features, IDENTITY_BLOCK):
+                eye = torch.eye(module.in_features, device=weight.device, dtype=dtype)[start:start + IDENTITY_BLOCK]
+                columns.append(bnb.matmul_4bit(eye, weight, bias=None, quant_state=state).float().t())
+        return torch.cat(columns, dim=1)
     # LLM.int8: one absmax per row, which bitsandbytes moves to the layer's state at its first forward.
     row_absmax = weight.SCB if getattr(weight, "SCB", None) is not None else module.state.SCB
     return weight.data.float() * row_absmax.float()[:, None] / 127

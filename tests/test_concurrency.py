@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 from conftest import left_padded_batch, make_tiny_model
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
 
@@ -44,18 +45,19 @@ def test_four_threads_get_what_they_would_get_one_at_a_time(options, tmp_path, m
     assert not failures, failures[:5]
 
 
-class Nested:
-    """A plugin whose generate hook calls generate again, on other inputs, before letting the call run."""
+class GenerateInside(StoppingCriteria):
+    """A stopping criterion that, at the outer call's third decode step, runs generate on other inputs of the
+    same batch size (whose pooled cache the outer call is using)."""
 
-    def __init__(self, ids, mask):
-        self.ids, self.mask, self.inner = ids, mask, None
+    def __init__(self, model, ids, mask):
+        self.model, self.ids, self.mask, self.steps, self.inner = model, ids, mask, 0, None
 
-    @hf_accel.hookimpl(wrapper=True)
-    def hf_accel_generate(self, call):
-        if self.inner is None:
-            self.inner = call.model.generate(input_ids=self.ids, attention_mask=self.mask, max_new_tokens=10,
+    def __call__(self, input_ids, scores, **kwargs):
+        self.steps += 1
+        if self.steps == 3:
+            self.inner = self.model.generate(input_ids=self.ids, attention_mask=self.mask, max_new_tokens=10,
                                              do_sample=False)
-        return (yield)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 @pytest.mark.parametrize("options", [{}, {"speculative": None}], ids=["defaults", "no speculation"])
@@ -63,14 +65,28 @@ def test_a_generate_call_made_inside_another_leaves_both_right(options, tmp_path
     monkeypatch.setenv("HF_ACCEL_CACHE", str(tmp_path))
     model = make_tiny_model("llama")
     ids, mask = left_padded_batch(model, (9, 4, 7))
-    inner_ids, inner_mask = left_padded_batch(model, (5, 8, 3), seed=2)  # same batch size: same pooled cache
+    inner_ids, inner_mask = left_padded_batch(model, (5, 8, 3), seed=2)
     expected = run(model, 3, 16, False, ids, mask)
     expected_inner = model.generate(input_ids=inner_ids, attention_mask=inner_mask, max_new_tokens=10,
                                     do_sample=False)
-    plugin = Nested(inner_ids, inner_mask)
-    hf_accel.patch(model, plugins=[plugin], **options)
-    assert torch.equal(run(model, 3, 16, False, ids, mask), expected)
-    assert torch.equal(plugin.inner, expected_inner)
+    hf_accel.patch(model, **options)
+    inside = GenerateInside(model, inner_ids, inner_mask)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                         stopping_criteria=StoppingCriteriaList([inside]))
+    assert inside.steps > 3 and torch.equal(out, expected) and torch.equal(inside.inner, expected_inner)
+
+
+def test_unpatch_from_inside_a_generate_call_is_refused(llama):
+    class UnpatchInside(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            hf_accel.unpatch(llama)
+
+    hf_accel.patch(llama, compile=None)
+    ids, mask = left_padded_batch(llama, (9,))
+    with pytest.raises(hf_accel.PatchError, match="from inside one of its generate calls"):
+        llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                       stopping_criteria=StoppingCriteriaList([UnpatchInside()]))
+    assert hasattr(llama, "_hf_accel_state")
 
 
 def test_unpatch_waits_for_the_call_in_progress():
@@ -79,11 +95,14 @@ def test_unpatch_waits_for_the_call_in_progress():
     expected = run(model, 3, 16, False, ids, mask)
     started, release = threading.Event(), threading.Event()
 
+    seen = {}
+
     class Holds:
         @hf_accel.hookimpl(wrapper=True)
         def hf_accel_generate(self, call):
             started.set()
             release.wait(10)
+            seen["patched during the call"] = hasattr(call.model, "_hf_accel_state")
             return (yield)
 
     hf_accel.patch(model, plugins=[Holds()], compile=None)
@@ -93,12 +112,12 @@ def test_unpatch_waits_for_the_call_in_progress():
     assert started.wait(10)
     undoer = threading.Thread(target=hf_accel.unpatch, args=(model,))
     undoer.start()
-    undoer.join(0.3)
-    assert undoer.is_alive()  # blocked while the call runs
+    undoer.join(0.3)  # an unpatch that did not wait would have undone everything by now
     release.set()
     caller.join()
     undoer.join()
-    assert torch.equal(result["out"], expected) and not hasattr(model, "_hf_accel_state")
+    assert seen["patched during the call"] and torch.equal(result["out"], expected)
+    assert not hasattr(model, "_hf_accel_state")
 
 
 @pytest.mark.parametrize("options", [{}, {"compile": None, "speculative": None}], ids=["compiled step", "kv cache"])

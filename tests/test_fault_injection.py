@@ -14,6 +14,7 @@ import hf_accel
 from hf_accel import patching
 from hf_accel.backends import BackendRegistry
 from hf_accel.features import FEATURE_NAMES
+from hf_accel_plugins.compile_onednn import _PACKED
 
 #: Every backend that can run on this machine, by feature.
 BACKENDS = [(status.feature, status.name) for status in hf_accel.available_backends() if status.available]
@@ -46,6 +47,7 @@ def snapshot(model: nn.Module) -> dict:
         "generation_config": model.generation_config.to_dict(),
         "logits": logits,
         "tokens": tokens,
+        "packed_copies": sum(id(p) in _PACKED for p in model.parameters()),  # process-wide, outside the model
     }
 
 
@@ -53,7 +55,7 @@ def assert_unchanged(before: dict, after: dict) -> None:
     assert before["state"].keys() == after["state"].keys()
     for key, tensor in before["state"].items():
         assert torch.equal(tensor, after["state"][key]), key
-    for name in ("modules", "instance_attributes", "config", "generation_config"):
+    for name in ("modules", "instance_attributes", "config", "generation_config", "packed_copies"):
         assert before[name] == after[name], name
     assert torch.equal(before["logits"], after["logits"]) and torch.equal(before["tokens"], after["tokens"])
 

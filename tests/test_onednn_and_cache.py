@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import assert_same_state, left_padded_batch, make_tiny_model, state_dict_copy
@@ -160,10 +162,18 @@ def test_int8_layer_round_trips_within_half_a_step_of_its_scale():
     assert layer.get_seq_length() == 3 and layer.keys.shape[2] == 3
 
 
+def _reassign(weight: torch.Tensor, values: torch.Tensor) -> None:
+    weight.data = values  # new storage, same tensor object, version counter not bumped (PEFT's safe merge)
+
+
 WEIGHT_CHANGES = {
     "load_state_dict": lambda m: m.load_state_dict(make_tiny_model("llama", seed=4).state_dict()),
     "in-place edit": lambda m: m.model.layers[0].mlp.down_proj.weight.mul_(3),
     "edit through .data (PEFT's merge)": lambda m: m.model.layers[1].self_attn.q_proj.weight.data.add_(0.05),
+    ".data reassigned": lambda m: _reassign(m.model.layers[0].self_attn.o_proj.weight,
+                                            m.model.layers[0].self_attn.o_proj.weight * 2),
+    ".data reassigned again": lambda m: _reassign(m.model.layers[0].self_attn.o_proj.weight,
+                                                  m.model.layers[0].self_attn.o_proj.weight - 0.01),
     "new Parameter": lambda m: setattr(m.lm_head, "weight",
                                        torch.nn.Parameter(m.lm_head.weight * -1, requires_grad=False)),
 }
@@ -171,8 +181,8 @@ WEIGHT_CHANGES = {
 
 @pytest.mark.parametrize("options", [{"compile": "onednn_prepack"}, {}], ids=["onednn_prepack", "default"])
 def test_packed_linears_follow_weight_changes_after_patch(options):
-    """Each generate call after a change computes with the new weights, like an unpatched model given the
-    same change; unpatch keeps the changed weights."""
+    """After each change, the next generate call and direct forwards compute with the new weights, like an
+    unpatched model given the same change; unpatch keeps the changed weights."""
     model, stock = make_tiny_model("llama"), make_tiny_model("llama")
     hf_accel.patch(model, speculative=None, **options)
     assert isinstance(model.lm_head, PackedLinear)
@@ -184,24 +194,66 @@ def test_packed_linears_follow_weight_changes_after_patch(options):
         expected = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
         assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False),
                            expected), name
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids, attention_mask=mask).logits,
+                                       stock(ids, attention_mask=mask).logits, rtol=1e-4, atol=1e-4, msg=name)
     hf_accel.unpatch(model)
     assert_same_state(state_dict_copy(stock), state_dict_copy(model))
 
 
-def test_replaced_weights_leave_no_packed_copies_behind():
+def packed_copies_of(model) -> int:
     from hf_accel_plugins.compile_onednn import _PACKED
 
+    gc.collect()
+    return sum(id(p) in _PACKED for p in model.parameters())
+
+
+def test_a_weight_reassigned_through_data_is_repacked_on_direct_forwards_too():
+    """No generate call in between: the product itself notices new storage, including storage at an address
+    a freed one had (PEFT's safe merge and unmerge assign .data back and forth)."""
+    model, stock = make_tiny_model("llama"), make_tiny_model("llama")
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    ids, mask = left_padded_batch(model)
+    originals = [m.lm_head.weight.data for m in (model, stock)]
+    with torch.no_grad():
+        for scale in range(2, 12):
+            for values in ([w * scale for w in originals], originals):  # the scaled storage is freed, then reused
+                for m, v in zip((model, stock), values):
+                    _reassign(m.lm_head.weight, v)
+                torch.testing.assert_close(model(ids, attention_mask=mask).logits,
+                                           stock(ids, attention_mask=mask).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_replaced_weights_leave_no_packed_copies_behind():
     model = make_tiny_model("llama")
     hf_accel.patch(model, compile="onednn_prepack", speculative=None)
     ids, mask = left_padded_batch(model)
+    linears = sum(isinstance(m, PackedLinear) for m in model.modules())
+    assert packed_copies_of(model) == linears
+    from hf_accel_plugins.compile_onednn import _PACKED
+
     before = len(_PACKED)
-    for _ in range(5):
-        with torch.no_grad():
+    with torch.no_grad():
+        for _ in range(5):
             model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight), requires_grad=False)
+            up = model.model.layers[0].mlp.up_proj.weight
+            _reassign(up, torch.randn_like(up))
             model(ids, attention_mask=mask)
-    assert len(_PACKED) == before  # each replaced weight's copy went with it
+    gc.collect()
+    assert packed_copies_of(model) == linears and len(_PACKED) == before  # one copy per weight, old ones gone
     hf_accel.unpatch(model)
-    assert len(_PACKED) == before - sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert packed_copies_of(model) == 0
+
+
+def test_a_module_replaced_after_the_patch_stays_at_unpatch():
+    model = make_tiny_model("llama")
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    new_head = torch.nn.Linear(64, 512, bias=False)
+    model.lm_head = new_head  # what resize_token_embeddings does to an untied head
+    hf_accel.unpatch(model)
+    assert model.lm_head is new_head
+    assert isinstance(model.model.layers[0].mlp.up_proj, torch.nn.Linear)
+    assert model.model.layers[0].mlp.up_proj.weight is not None
 
 
 def test_a_model_made_in_inference_mode_can_be_prepacked():
