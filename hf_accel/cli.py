@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import logging
 import platform
@@ -46,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     doctor = sub.add_parser("doctor", help="versions, devices, and every backend with whether it can run here")
+    doctor.add_argument("--model", help="a local model directory: also list the settings of its generation config "
+                                        "that would make generate calls run without speculation")
     doctor.set_defaults(func=cmd_doctor)
 
     demo = sub.add_parser("demo", help="the default model, stock and patched, side by side")
@@ -63,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quantize", default="", help="comma-separated quantize schemes to add (e.g. int8,int4)")
     bench.add_argument("--patch", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                        help="add a configuration patch(model, KEY=VALUE, ...); repeatable, e.g. speculative=self_int8")
+    bench.add_argument("--generate", default="", metavar="KEY=VALUE[,KEY=VALUE]",
+                       help="generate() settings for every call, stock and patched (e.g. repetition_penalty=1.1)")
     bench.add_argument("--against", choices=["llama.cpp"], help="also run the GGUF model in llama.cpp")
     bench.add_argument("--json", help="write the rows to this JSON file")
     bench.add_argument("--plot", help="save a bar chart PNG here (needs matplotlib)")
@@ -151,7 +156,28 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if args.model:
+        _print_speculation_blockers(args.model)
     return 0
+
+
+def _print_speculation_blockers(model_dir: str) -> None:
+    from transformers import GenerationConfig
+
+    from .speculative_settings import blocking_settings
+
+    try:
+        config = GenerationConfig.from_pretrained(model_dir)
+    except OSError as exc:
+        raise CLIError(f"--model {model_dir}: no generation config to read ({exc})") from None
+    blocking = blocking_settings(config)
+    if not blocking:
+        print(f"{model_dir}: its generation config leaves speculative decoding on for every call")
+        return
+    print(f"{model_dir}: these settings of its generation config make generate run without speculation "
+          "(stock generate, with the patch's cache and compiled step):")
+    for setting in blocking:
+        print(f"  {setting}")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -208,6 +234,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for scheme in quantize:
         check_arguments(quantize=scheme)
     configs = default_configs(available, quantize) + [_patch_config(text) for text in args.patch]
+    if args.generate:
+        settings = _key_values(args.generate, "--generate")
+        configs = [dataclasses.replace(c, generate_kwargs={**c.generate_kwargs, **settings}) for c in configs]
     if args.configs:
         wanted = [w.strip() for w in args.configs.split(",")]
         configs = [c for c in configs if c.group == "stock" or any(w in c.name for w in wanted)]
@@ -341,22 +370,33 @@ def _patch_config(text: str):
     """``--patch speculative=self_int8,compile=none`` as a bench configuration, checked before any loading."""
     from .bench import BenchConfig
 
-    kwargs = {}
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise CLIError(f"--patch expects KEY=VALUE pairs, got {item!r}")
-        kwargs[key.strip()] = _option_value(value.strip())
+    kwargs = _key_values(text, "--patch")
     check_arguments(**kwargs)
     return BenchConfig(f"hf_accel patch({text})", "hf_accel", patch_kwargs=kwargs)
 
 
+def _key_values(text: str, flag: str) -> dict:
+    """``a=1,b=x`` as ``{"a": 1, "b": "x"}``."""
+    pairs = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CLIError(f"{flag} expects KEY=VALUE pairs, got {item!r}")
+        pairs[key.strip()] = _option_value(value.strip())
+    return pairs
+
+
 def _option_value(text: str):
-    """``none`` -> None, ``true``/``false`` -> bool, digits -> int, anything else stays a string."""
+    """``none`` -> None, ``true``/``false`` -> bool, ``16`` -> int, ``1.1`` -> float, anything else a string."""
     words = {"none": None, "true": True, "false": False}
     if text.lower() in words:
         return words[text.lower()]
-    return int(text) if text.isdigit() else text
+    if text.isdigit():
+        return int(text)
+    try:
+        return float(text) if any(c.isdigit() for c in text) else text
+    except ValueError:
+        return text
 
 
 def _one_per_category(prompts):

@@ -15,21 +15,15 @@ from typing import Any, Protocol
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cached_lm import CachedLM
 from .compiled_step import CHECK_TOLERANCE
+from .speculative_settings import blocking_settings
 
 logger = logging.getLogger(__name__)
 
-#: Generation settings the loop reproduces exactly; any other non-default setting falls back to stock.
-SUPPORTED_SETTINGS = frozenset({
-    "max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "use_cache",
-    "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "return_dict_in_generate",
-    "output_scores", "output_logits", "transformers_version", "_from_model_config",
-    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold", "disable_compile",
-})
+#: Model inputs a call may pass besides the token ids (anything else falls back to stock generate).
 _MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "logits_to_keep"})
 #: How far a draft model's compiled graph may move its logits (relative) before it is refused.
 DRAFT_CHECK_TOLERANCE = 5e-2
@@ -139,13 +133,10 @@ class DraftLength:
 
 
 def unsupported_setting(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
-    """The first generation setting the loop cannot reproduce exactly, or None."""
-    defaults = config._get_default_generation_params()
-    for key, value in config.to_dict().items():
-        default = defaults.get(key)
-        if key in SUPPORTED_SETTINGS or value == default or (value in (None, False) and default in (None, False)):
-            continue
-        return f"generation setting {key}={value!r}"
+    """What in a call the loop cannot reproduce exactly (see :mod:`hf_accel.speculative_settings`), or None."""
+    blocking = blocking_settings(config)
+    if blocking:
+        return f"generation setting {blocking[0]}"
     extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_INPUTS and v is not None)
     return f"generate argument {extra[0]!r}" if extra else None
 
@@ -158,13 +149,14 @@ class SpeculativeLoop:
     """
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter, config: GenerationConfig,
-                 processors: LogitsProcessorList, stopping: StoppingCriteriaList | None, streamer: Any,
+                 processors: list[LogitsProcessorList], stopping: StoppingCriteriaList | None, streamer: Any,
                  max_new_tokens: int, draft_length: DraftLength, make_lm: LMFactory | None = None) -> None:
         #: Makes the :class:`CachedLM` a model of this call runs in (the target here, a draft model in a drafter).
         self.make_lm = make_lm or eager_lm
         self.target = self.make_lm(model, "target")
         self.drafter = drafter
         self.config = config
+        #: Row b's logits processors (stock's, built for that row: some hold per-row state such as its padding).
         self.processors = processors
         self.stopping = stopping
         self.streamer = streamer
@@ -237,13 +229,13 @@ class SpeculativeLoop:
 
     def _process(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """The logits processors at each position, row by row, with the prefix stock generate would pass."""
-        if not self.processors:
+        if not any(self.processors):
             return logits
         out = torch.empty_like(logits)
         for b, row in enumerate(self.rows):
             prefix = row
             for j in range(logits.shape[1]):
-                out[b, j] = self.processors(prefix[None], logits[b, j][None].clone())[0]
+                out[b, j] = self.processors[b](prefix[None], logits[b, j][None].clone())[0]
                 if j < draft.width:
                     prefix = torch.cat([prefix, draft.tokens[b, j : j + 1]])
         return out
@@ -318,20 +310,6 @@ def accept_sampled(p: torch.Tensor, draft: Draft, in_draft: torch.Tensor) -> tup
     return kept, extra
 
 
-def sampling_processors(config: GenerationConfig) -> LogitsProcessorList:
-    """The warpers stock generate applies when sampling, in its order: temperature, top-k, top-p."""
-    warpers = LogitsProcessorList()
-    if not config.do_sample:
-        return warpers
-    if config.temperature is not None and config.temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(config.temperature))
-    if config.top_k is not None and config.top_k != 0:
-        warpers.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
-    if config.top_p is not None and config.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
-    return warpers
-
-
 def to_output(loop: SpeculativeLoop, config: GenerationConfig) -> Any:
     sequences = loop._sequences()
     if not config.return_dict_in_generate:
@@ -346,8 +324,10 @@ def to_output(loop: SpeculativeLoop, config: GenerationConfig) -> Any:
 # -- a drafter for any causal LM that shares the target's tokenizer -------------------------------------------
 class ModelDrafter:
     """Drafts by running a (cheaper) causal LM with its own cache: a small model of the same family, or a
-    quantized copy of the target. Greedy when the call is greedy; otherwise it samples from its own
-    distribution under the call's temperature/top-k/top-p and reports it, for exact acceptance.
+    quantized copy of the target. Its logits go through the call's processors (each row's, with that row's
+    prefix and the tokens drafted so far), so a repetition penalty or banned words shape the drafts as they
+    shape the target. Greedy when the call is greedy; otherwise it samples from that distribution and reports
+    it, for exact acceptance.
 
     ``held[b]`` counts the tokens of ``loop.rows[b]`` its cache holds. Each proposal first feeds every row
     what it has not seen (the target's newest token; after a fully accepted draft also the last drafted one;
@@ -358,7 +338,6 @@ class ModelDrafter:
     def __init__(self, model: torch.nn.Module, config: GenerationConfig, vocab_size: int) -> None:
         self.model = model
         self.sample = bool(config.do_sample)
-        self.warpers = sampling_processors(config)
         self.vocab_size = vocab_size
         self.held: list[int] = []
 
@@ -372,7 +351,7 @@ class ModelDrafter:
         logits = self._catch_up(loop)
         tokens, probs = [], []
         for i in range(k):
-            scores = self._scores(logits)
+            scores = self._scores(loop, logits, tokens)
             if self.sample:
                 q = scores.softmax(-1)
                 token = torch.multinomial(q, 1)[:, 0]
@@ -406,12 +385,19 @@ class ModelDrafter:
         self.held = [row.numel() for row in loop.rows]
         return logits
 
-    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+    def _scores(self, loop: SpeculativeLoop, logits: torch.Tensor, drafted: list[torch.Tensor]) -> torch.Tensor:
+        """``logits`` (``[batch, vocab]``, after each row's prefix and ``drafted``) through the call's processors."""
         if logits.shape[-1] != self.vocab_size:  # a draft vocabulary padded differently from the target's
             logits = logits[..., : self.vocab_size]
             if logits.shape[-1] < self.vocab_size:
                 logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=-float("inf"))
-        return self.warpers(None, logits) if self.warpers else logits
+        if not any(loop.processors):
+            return logits
+        out = torch.empty_like(logits)
+        for b, row in enumerate(loop.rows):
+            prefix = torch.cat([row, *(token[b:b + 1] for token in drafted)])
+            out[b] = loop.processors[b](prefix[None], logits[b:b + 1].clone())[0]
+        return out
 
 
 class SelfDrafter(ModelDrafter):
@@ -445,8 +431,8 @@ class SelfDrafter(ModelDrafter):
 _GENERATE_ARGS = ("inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
                   "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
                   "negative_prompt_attention_mask", "custom_generate")
-_NOT_COVERED = ("prefix_allowed_tokens_fn", "synced_gpus", "assistant_model", "negative_prompt_ids",
-                "negative_prompt_attention_mask", "custom_generate")
+_NOT_COVERED = ("synced_gpus", "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
+                "custom_generate", "assistant_tokenizer")
 
 
 @dataclass
@@ -454,7 +440,7 @@ class CallPlan:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     config: GenerationConfig
-    processors: LogitsProcessorList
+    processors: list[LogitsProcessorList]  # one list per row
     stopping: StoppingCriteriaList | None
     streamer: Any
     max_new_tokens: int
@@ -478,7 +464,8 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         return "inputs other than a [batch, length] tensor of token ids"
     if model.config.is_encoder_decoder:
         return "encoder-decoder models"
-    extra = {k: named.pop(k, None) for k in ("logits_processor", "stopping_criteria", "streamer")}
+    extra = {k: named.pop(k, None)
+             for k in ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn", "tokenizer")}
     config, model_kwargs = model._prepare_generation_config(named.pop("generation_config", None), **named)
     attention_mask = model_kwargs.pop("attention_mask", None)
     why = unsupported_setting(config, model_kwargs)
@@ -492,18 +479,39 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     if attention_mask is None:
         attention_mask = _infer_attention_mask(input_ids, config)
+    if config.num_return_sequences > 1:
+        if not config.do_sample:  # stock refuses it without beams; let it say so
+            return "num_return_sequences > 1 without sampling"
+        input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
+        attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
     if extra["streamer"] is not None and input_ids.shape[0] > 1:
         return "a streamer with batch > 1 (streamers take one row)"
     if (config.output_scores or config.output_logits) and input_ids.shape[0] > 1:
         # Stock keeps scoring rows that ended (on padding) until the last row ends; the loop stops running them.
         return "output_scores/output_logits with batch > 1"
-    # Stock's own list, so a user's processors are merged with the ones it builds exactly as stock merges them.
-    processors = model._get_logits_processor(
-        generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
-        logits_processor=LogitsProcessorList(extra["logits_processor"] or []), device=input_ids.device,
-        model_kwargs={"attention_mask": attention_mask})
-    stopping = StoppingCriteriaList(extra["stopping_criteria"]) if extra["stopping_criteria"] else None
+    if extra["tokenizer"] is None and config.stop_strings:
+        return "stop_strings without tokenizer= (stock generate raises for it)"
+    config.max_length = input_ids.shape[1] + max_new  # as stock sets it, for its length criteria
+    model._prepare_special_tokens(config, True, input_ids.device)
+    processors = [_row_processors(model, config, input_ids, attention_mask, b, extra) for b in range(len(input_ids))]
+    # Stock's criteria (lengths, EOS, stop strings, time) merged with the user's as stock merges them; the loop
+    # checks them per row after each token.
+    stopping = model._get_stopping_criteria(config, StoppingCriteriaList(extra["stopping_criteria"] or []),
+                                            tokenizer=extra["tokenizer"])
     return CallPlan(input_ids, attention_mask, config, processors, stopping, extra["streamer"], max_new)
+
+
+def _row_processors(model: Any, config: GenerationConfig, input_ids: torch.Tensor, mask: torch.Tensor, row: int,
+                    extra: dict[str, Any]) -> LogitsProcessorList:
+    """Stock's processor list for one row of the call, as ``generate`` would build it for the batch: the user's
+    merged with those the settings ask for. Built per row because some processors hold per-row state (the
+    row's padding, for the repetition penalty) or ask a function about their row by index."""
+    allowed = extra["prefix_allowed_tokens_fn"]
+    return model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids[row:row + 1],
+        prefix_allowed_tokens_fn=None if allowed is None else (lambda _, prefix: allowed(row, prefix)),
+        logits_processor=LogitsProcessorList(extra["logits_processor"] or []), device=input_ids.device,
+        model_kwargs={"attention_mask": mask[row:row + 1]})
 
 
 def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
@@ -586,10 +594,14 @@ class SpeculativeRunner:
 
     def _fallback(self, call: Any, reason: str) -> Any:
         self.stats.fallbacks += 1
+        reasons = self.details.setdefault("fallback_reasons", {})
+        reasons[reason] = reasons.get(reason, 0) + 1
         self.details.update(self.stats.as_details())
         if reason not in self._logged:
             self._logged.add(reason)
-            logger.info("hf_accel: speculative decoding does not cover %s; this call runs stock generate", reason)
+            logger.warning("hf_accel: speculative decoding does not cover %s, so this call (and any like it) runs "
+                           "stock generate with the patch's cache and compiled step but no speculation; drop that "
+                           "setting to keep it (docs/features.md lists what is covered)", reason)
         return call.run_stock()
 
 

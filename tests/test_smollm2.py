@@ -151,3 +151,21 @@ def test_a_cold_bench_run_reports_its_timings_and_tokens():
     result = _run_worker(spec, {})
     assert result["tokens"] == len(result["token_ids"]) and 1 <= result["tokens"] <= 6
     assert result["patch_s"] > 0 and 0 < result["ttft_s"] <= result["generate_s"] < result["in_process_s"]
+
+
+def test_model_card_style_settings_and_stop_strings_keep_speculation_and_stocks_tokens(smollm2):
+    """repetition_penalty, min_new_tokens, no_repeat_ngram_size and stop_strings (with the tokenizer), as chat
+    scripts pass them: identical to stock, and not one call falls back."""
+    model, tokenizer = smollm2
+    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()]
+    settings = dict(max_new_tokens=48, do_sample=False, repetition_penalty=1.1, min_new_tokens=16,
+                    no_repeat_ngram_size=4, stop_strings=["\n\n"], tokenizer=tokenizer)
+    expected = [model.generate(**x, **settings) for x in inputs]
+    hf_accel.patch(model, compile=None)
+    try:
+        for x, want in zip(inputs, expected):
+            assert torch.equal(model.generate(**x, **settings), want)
+        details = hf_accel.report(model)["speculative"].details
+        assert details["fallbacks_to_stock"] == 0 and details["accepted"] > 0
+    finally:
+        hf_accel.unpatch(model)

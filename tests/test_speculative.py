@@ -15,7 +15,7 @@ from transformers import (
 import hf_accel
 from hf_accel import Backend, hookimpl
 from hf_accel import speculative
-from hf_accel.speculative import Draft, DraftLength, accept_sampled, install_runner, sampling_processors
+from hf_accel.speculative import Draft, DraftLength, accept_sampled, install_runner
 
 
 class ScriptedDrafter:
@@ -222,31 +222,39 @@ class BanToken(LogitsProcessor):
         return scores.index_fill(-1, torch.tensor([self.banned]), -float("inf"))
 
 
-def exact_continuations(model, prompt: torch.Tensor, processors, vocab: int, n: int) -> torch.Tensor:
-    """The probability of each of the vocab**n continuations of ``prompt`` under ``processors`` (row-major
-    index: first token most significant), from the model's own forwards over every prefix."""
+def exact_continuations(model, prompt: torch.Tensor, mask: torch.Tensor, processors, vocab: int,
+                        n: int) -> torch.Tensor:
+    """The probability of each of the vocab**n continuations of the left-padded ``prompt`` under ``processors``
+    (row-major index: first token most significant), from the model's own forwards over every prefix. The
+    processors see the padding, as in stock generate."""
     joint = torch.ones(1, dtype=torch.float64)
     for depth in range(n):
         prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * depth).reshape(-1, depth) if depth else \
             torch.zeros(1, 0, dtype=torch.long)
         ids = torch.cat([prompt.expand(len(prefixes), -1), prefixes], dim=1)
+        full_mask = torch.cat([mask.expand(len(prefixes), -1), torch.ones_like(prefixes)], dim=1)
+        positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
         with torch.no_grad():
-            logits = model(ids).logits[:, -1]
+            logits = model(ids, attention_mask=full_mask, position_ids=positions).logits[:, -1]
         probs = torch.stack([processors(ids[i:i + 1], logits[i:i + 1].clone())[0] for i in range(len(ids))])
         joint = (joint[:, None] * probs.double().softmax(-1)).reshape(-1)
     return joint
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 1.0, "top_k": 0}, {"temperature": 0.7, "top_k": 3},
-                                      {"top_p": 0.7, "top_k": 0}, {"temperature": 1.0, "top_k": 0, "ban": 3}],
-                         ids=["plain", "temperature-topk", "top-p", "user-processor"])
+                                      {"top_p": 0.7, "top_k": 0}, {"temperature": 1.0, "top_k": 0, "ban": 3},
+                                      {"min_p": 0.15, "top_k": 0}, {"typical_p": 0.8, "top_k": 0},
+                                      {"repetition_penalty": 1.8, "top_k": 0}, {"no_repeat_ngram_size": 2, "top_k": 0}],
+                         ids=["plain", "temperature-topk", "top-p", "user-processor", "min-p", "typical-p",
+                              "repetition-penalty", "no-repeat-ngram"])
 def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token(sampling, monkeypatch):
     """A left-padded batch of two prompts, 4000 rows each, samples 4 tokens from a 4-token vocabulary with
     drafts of 2: the first token comes from the prompt, the next two from draft positions 0 and 1 (or their
     resampling) and the fourth from the bonus token or a later draft. Each prompt's 256 outcomes are compared
     with the target's exact distribution by a chi-square test at significance level 0.001 (seeded)."""
     vocab, rows, new = 4, 4000, 4
-    prompts = [torch.tensor([[1, 3, 2, 3]]), torch.tensor([[2, 1]])]
+    prompts = [torch.tensor([[1, 3, 2, 3]]), torch.tensor([[0, 0, 2, 1]])]  # the second left-padded
+    masks = [torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0, 0, 1, 1]])]
     config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
                          pad_token_id=None)
@@ -256,14 +264,13 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
         model.lm_head.weight.mul_(6)  # a peaked target, unlike the drafter's q
     sampling = dict(sampling)
     user = LogitsProcessorList([BanToken(sampling.pop("ban"))] if "ban" in sampling else [])
-    reference = LogitsProcessorList([*user, *sampling_processors(GenerationConfig(do_sample=True, **sampling))])
-    exact = [exact_continuations(model, p, reference, vocab, new) for p in prompts]
+    settings = GenerationConfig(do_sample=True, **sampling)
+    exact = [exact_continuations(model, p, m, model._get_logits_processor(  # stock's, for that prompt's padding
+        settings, logits_processor=user, model_kwargs={"attention_mask": m}), vocab, new)
+        for p, m in zip(prompts, masks)]
 
-    ids = torch.zeros(2 * rows, 4, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i * rows:(i + 1) * rows, -p.shape[1]:] = p
-        mask[i * rows:(i + 1) * rows, -p.shape[1]:] = 1
+    ids = torch.cat([p.expand(rows, -1) for p in prompts])
+    mask = torch.cat([m.expand(rows, -1) for m in masks])
     hf_accel.patch(model, compile=None, speculative="test_drafter",
                    plugins=[drafter_plugin(lambda m, c: RandomDrafter(vocab), k=2, low=2, high=2)])
     kept_counts = []

@@ -1,0 +1,110 @@
+"""Generation settings under speculation: each covered one gives stock's tokens; the others fall back to stock
+generate visibly; docs/features.md's table is the code's."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import left_padded_batch, make_tiny_model
+
+import hf_accel
+from hf_accel.speculative_settings import SETTINGS, blocking_settings, known_fields, settings_table
+
+#: Per covered setting, generate arguments made from a reference greedy run (so that they bite on its tokens).
+CASES = {
+    "repetition_penalty": lambda ref, n: {"repetition_penalty": 1.3},
+    "encoder_repetition_penalty": lambda ref, n: {"encoder_repetition_penalty": 1.5},
+    "no_repeat_ngram_size": lambda ref, n: {"no_repeat_ngram_size": 2},
+    "encoder_no_repeat_ngram_size": lambda ref, n: {"encoder_no_repeat_ngram_size": 2},
+    "min_new_tokens": lambda ref, n: {"eos_token_id": int(ref[0, n + 1]), "min_new_tokens": 9},
+    "min_length": lambda ref, n: {"eos_token_id": int(ref[1, n + 2]), "min_length": n + 10},
+    "bad_words_ids": lambda ref, n: {"bad_words_ids": [[int(ref[0, n + 3])], [int(ref[1, n + 4]), int(ref[1, n + 5])]]},
+    "sequence_bias": lambda ref, n: {"sequence_bias": {(int(ref[0, n + 2]),): -4.0, (int(ref[2, n + 6]),): 3.0}},
+    "suppress_tokens": lambda ref, n: {"suppress_tokens": [int(ref[2, n + 1]), int(ref[0, n + 5])]},
+    "begin_suppress_tokens": lambda ref, n: {"begin_suppress_tokens": [int(ref[0, n]), int(ref[1, n])]},
+    "forced_eos_token_id": lambda ref, n: {"forced_eos_token_id": 7},
+    "exponential_decay_length_penalty": lambda ref, n: {"eos_token_id": int(ref[2, n + 8]),
+                                                        "exponential_decay_length_penalty": (3, 1.6)},
+    "renormalize_logits": lambda ref, n: {"renormalize_logits": True, "remove_invalid_values": True},
+    "prefix_allowed_tokens_fn": lambda ref, n: {
+        "prefix_allowed_tokens_fn": lambda row, ids: list(range(3 + 100 * row, 103 + 100 * row))},
+    "max_time": lambda ref, n: {"max_time": 1e-9},  # stops after the first token, as stock does
+    "several": lambda ref, n: {"repetition_penalty": 1.2, "no_repeat_ngram_size": 3, "min_new_tokens": 6,
+                               "eos_token_id": int(ref[0, n + 1])},
+}
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_covered_setting_gives_stocks_tokens_with_speculation(case, drafter):
+    model = make_tiny_model("llama")
+    ids, mask = left_padded_batch(model)
+    n = ids.shape[1]
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    kwargs = {"max_new_tokens": 20, "do_sample": False, **CASES[case](reference, n)}
+    expected = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    # A draft model with the target's weights: its drafts pass the same processors, so most are kept.
+    speculative = make_tiny_model("llama") if drafter == "draft_model" else "ngram"
+    hf_accel.patch(model, compile=None, speculative=speculative)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
+    details = hf_accel.report(model)["speculative"].details
+    assert details["fallbacks_to_stock"] == 0
+    if drafter == "draft_model" and case != "max_time":
+        assert details["accepted"] > 0
+
+
+def test_several_returned_sequences_are_expanded_as_stock_expands_them(llama):
+    ids, mask = left_padded_batch(llama)
+    kwargs = dict(max_new_tokens=12, do_sample=True, top_k=1, num_return_sequences=3)  # top-1: comparable
+    expected = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    out = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert out.shape[0] == 9 and torch.equal(out, expected)
+    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
+
+
+def test_stop_strings_without_a_tokenizer_fail_as_in_stock(llama):
+    ids, mask = left_padded_batch(llama, (5,))
+    with pytest.raises(ValueError, match="tokenizer") as stock_error:
+        llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, stop_strings=["x"])
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    with pytest.raises(ValueError, match="tokenizer") as patched_error:
+        llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, stop_strings=["x"])
+    assert str(patched_error.value) == str(stock_error.value)
+
+
+def test_a_fallback_warns_once_per_reason_and_is_counted(llama, caplog):
+    ids, mask = left_padded_batch(llama, (5,))
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        for _ in range(2):
+            llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, do_sample=False)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "num_beams=2" in r.getMessage()]
+    assert len(warnings) == 1 and "drop that setting" in warnings[0].getMessage()
+    reasons = hf_accel.report(llama)["speculative"].details["fallback_reasons"]
+    assert reasons == {"generation setting num_beams=2 (beam search)": 2}
+
+
+def test_a_model_cards_settings_that_block_speculation_are_listed(tmp_path, capsys):
+    from transformers import GenerationConfig
+
+    from hf_accel.cli import main
+
+    GenerationConfig(repetition_penalty=1.1, num_beams=3, guidance_scale=1.5).save_pretrained(tmp_path)
+    assert sorted(blocking_settings(GenerationConfig.from_pretrained(tmp_path))) == [
+        "guidance_scale=1.5 (classifier-free guidance runs a second, unconditional pass with its own state)",
+        "num_beams=3 (beam search)"]
+    assert main(["doctor", "--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "num_beams=3" in out and "guidance_scale=1.5" in out and "repetition_penalty" not in out
+
+
+def test_every_generation_config_field_is_classified_and_the_docs_table_is_the_codes():
+    assert set(SETTINGS) == known_fields()
+    text = (Path(__file__).resolve().parent.parent / "docs" / "features.md").read_text()
+    table = re.search(r"<!-- generation-settings -->\n(.*?)\n<!-- /generation-settings -->", text, re.S)
+    assert table and table.group(1) == settings_table()
