@@ -78,7 +78,7 @@ class GenerateCall:
                 or settings.get("assistant_model") is not None):
             return None
         batch_size, prompt = input_ids.shape
-        new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
+        new_tokens = generated_length(self.model, config, settings, input_ids)
         return _CallShape(batch_size, prompt, prompt + max(new_tokens, 1), bool(config.disable_compile))
 
     def reusable_cache(self) -> Any:
@@ -91,6 +91,17 @@ class GenerateCall:
             return None
         cache.reset()
         return cache
+
+
+def generated_length(model: Any, config: Any, call_kwargs: dict[str, Any], input_ids: torch.Tensor) -> int:
+    """The most new tokens stock ``generate`` makes for this call, by its own rule (``max_new_tokens``; else a
+    ``max_length`` the call passed; else the configured one counted from the end of the prompt, capped by the
+    model's positions), which also sets ``config.min_length`` from ``min_new_tokens``. Updates ``config``."""
+    has_default_max = call_kwargs.get("max_length") is None and config.max_length is not None
+    has_default_min = call_kwargs.get("min_length") is None and config.min_length is not None
+    model._prepare_generated_length(config, has_default_max, has_default_min, "input_ids", input_ids.shape[1],
+                                    input_ids)
+    return config.max_length - input_ids.shape[1]
 
 
 def _without_cache(out: Any, cache: Any) -> Any:

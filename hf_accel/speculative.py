@@ -9,6 +9,7 @@ target's distribution.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cached_lm import CachedLM
 from .compiled_step import CHECK_TOLERANCE
+from .generation import generated_length
 from .speculative_settings import blocking_settings
 
 logger = logging.getLogger(__name__)
@@ -466,12 +468,13 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         return "encoder-decoder models"
     extra = {k: named.pop(k, None)
              for k in ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn", "tokenizer")}
+    call_settings = dict(named)
     config, model_kwargs = model._prepare_generation_config(named.pop("generation_config", None), **named)
     attention_mask = model_kwargs.pop("attention_mask", None)
     why = unsupported_setting(config, model_kwargs)
     if why:
         return why
-    max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - input_ids.shape[1]
+    max_new = generated_length(model, config, call_settings, input_ids)  # sets min_length as stock does too
     if max_new < 1:
         return "no tokens to generate (max_length <= prompt length)"
     if config.pad_token_id is None:
@@ -491,9 +494,13 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         return "output_scores/output_logits with batch > 1"
     if extra["tokenizer"] is None and config.stop_strings:
         return "stop_strings without tokenizer= (stock generate raises for it)"
-    config.max_length = input_ids.shape[1] + max_new  # as stock sets it, for its length criteria
     model._prepare_special_tokens(config, True, input_ids.device)
-    processors = [_row_processors(model, config, input_ids, attention_mask, b, extra) for b in range(len(input_ids))]
+    # Each row's processors are built and called as a batch of one (the prompt row it came from, for
+    # prefix_allowed_tokens_fn: stock numbers expanded rows by their prompt).
+    row_config = copy.copy(config)
+    row_config.num_return_sequences = 1
+    processors = [_row_processors(model, row_config, input_ids, attention_mask, b, b // config.num_return_sequences,
+                                  extra) for b in range(len(input_ids))]
     # Stock's criteria (lengths, EOS, stop strings, time) merged with the user's as stock merges them; the loop
     # checks them per row after each token.
     stopping = model._get_stopping_criteria(config, StoppingCriteriaList(extra["stopping_criteria"] or []),
@@ -502,14 +509,14 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
 
 
 def _row_processors(model: Any, config: GenerationConfig, input_ids: torch.Tensor, mask: torch.Tensor, row: int,
-                    extra: dict[str, Any]) -> LogitsProcessorList:
+                    prompt: int, extra: dict[str, Any]) -> LogitsProcessorList:
     """Stock's processor list for one row of the call, as ``generate`` would build it for the batch: the user's
     merged with those the settings ask for. Built per row because some processors hold per-row state (the
     row's padding, for the repetition penalty) or ask a function about their row by index."""
     allowed = extra["prefix_allowed_tokens_fn"]
     return model._get_logits_processor(
         generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids[row:row + 1],
-        prefix_allowed_tokens_fn=None if allowed is None else (lambda _, prefix: allowed(row, prefix)),
+        prefix_allowed_tokens_fn=None if allowed is None else (lambda _, prefix: allowed(prompt, prefix)),
         logits_processor=LogitsProcessorList(extra["logits_processor"] or []), device=input_ids.device,
         model_kwargs={"attention_mask": mask[row:row + 1]})
 

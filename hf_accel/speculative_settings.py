@@ -71,7 +71,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "dola_layers": (FALLBACK, "DoLa decoding"),
     "constraints": (FALLBACK, "constrained beam search"),
     "force_words_ids": (FALLBACK, "constrained beam search"),
-    "low_memory": (FALLBACK, "beam and contrastive search"),
+    "low_memory": (NO_EFFECT, "beam and contrastive search only"),
     "guidance_scale": (FALLBACK, "classifier-free guidance runs a second, unconditional pass with its own state"),
     "watermarking_config": (FALLBACK, "watermarking processors keep state across steps"),
     "token_healing": (FALLBACK, "rewrites the prompt"),
@@ -106,15 +106,24 @@ SETTINGS: dict[str, tuple[str, str]] = {
 def blocking_settings(config: GenerationConfig) -> list[str]:
     """The non-default settings of ``config`` that send a call to stock ``generate``, each with the reason."""
     defaults = config._get_default_generation_params()
+    fields = known_fields()
     found = []
     for key, value in config.to_dict().items():
         default = defaults.get(key)
         if value is None or value == default or (value is False and default in (None, False)):
             continue  # None: not set, the default applies
-        status, why = SETTINGS.get(key, (FALLBACK, "a setting this version of hf_accel does not know"))
+        if NEUTRAL.get(key) == value:
+            continue
+        unknown = (FALLBACK, "a setting this version of hf_accel does not know") if key in fields else (
+            NO_EFFECT, "not a transformers setting")  # a model card's own entry: generate ignores it
+        status, why = SETTINGS.get(key, unknown)
         if status == FALLBACK:
             found.append(f"{key}={value!r} ({why})")
     return found
+
+
+#: Values that turn a fallback setting off without being its default (stock checks these, not the default).
+NEUTRAL: dict[str, object] = {"guidance_scale": 1.0, "penalty_alpha": 0.0, "num_beams": 1, "num_beam_groups": 1}
 
 
 def settings_table() -> str:

@@ -19,9 +19,10 @@ CASES = {
     "repetition_penalty": lambda ref, n: {"repetition_penalty": 1.3},
     "encoder_repetition_penalty": lambda ref, n: {"encoder_repetition_penalty": 1.5},
     "no_repeat_ngram_size": lambda ref, n: {"no_repeat_ngram_size": 2},
-    "encoder_no_repeat_ngram_size": lambda ref, n: {"encoder_no_repeat_ngram_size": 2},
     "min_new_tokens": lambda ref, n: {"eos_token_id": int(ref[0, n + 1]), "min_new_tokens": 9},
     "min_length": lambda ref, n: {"eos_token_id": int(ref[1, n + 2]), "min_length": n + 10},
+    "min_new_tokens over min_length": lambda ref, n: {"eos_token_id": int(ref[0, n + 1]), "min_new_tokens": 1,
+                                                      "min_length": n + 15},  # stock: min_new_tokens wins
     "bad_words_ids": lambda ref, n: {"bad_words_ids": [[int(ref[0, n + 3])], [int(ref[1, n + 4]), int(ref[1, n + 5])]]},
     "sequence_bias": lambda ref, n: {"sequence_bias": {(int(ref[0, n + 2]),): -4.0, (int(ref[2, n + 6]),): 3.0}},
     "suppress_tokens": lambda ref, n: {"suppress_tokens": [int(ref[2, n + 1]), int(ref[0, n + 5])]},
@@ -29,7 +30,6 @@ CASES = {
     "forced_eos_token_id": lambda ref, n: {"forced_eos_token_id": 7},
     "exponential_decay_length_penalty": lambda ref, n: {"eos_token_id": int(ref[2, n + 8]),
                                                         "exponential_decay_length_penalty": (3, 1.6)},
-    "renormalize_logits": lambda ref, n: {"renormalize_logits": True, "remove_invalid_values": True},
     "prefix_allowed_tokens_fn": lambda ref, n: {
         "prefix_allowed_tokens_fn": lambda row, ids: list(range(3 + 100 * row, 103 + 100 * row))},
     "max_time": lambda ref, n: {"max_time": 1e-9},  # stops after the first token, as stock does
@@ -47,6 +47,7 @@ def test_each_covered_setting_gives_stocks_tokens_with_speculation(case, drafter
     reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
     kwargs = {"max_new_tokens": 20, "do_sample": False, **CASES[case](reference, n)}
     expected = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert not torch.equal(expected, reference)  # the setting changes stock's output: identity is not trivial
     # A draft model with the target's weights: its drafts pass the same processors, so most are kept.
     speculative = make_tiny_model("llama") if drafter == "draft_model" else "ngram"
     hf_accel.patch(model, compile=None, speculative=speculative)
@@ -55,6 +56,43 @@ def test_each_covered_setting_gives_stocks_tokens_with_speculation(case, drafter
     assert details["fallbacks_to_stock"] == 0
     if drafter == "draft_model" and case != "max_time":
         assert details["accepted"] > 0
+
+
+def test_a_call_without_a_length_makes_as_many_new_tokens_as_stock(llama):
+    ids, mask = left_padded_batch(llama)  # generation_config.max_length 20: stock makes 20 new tokens
+    expected = llama.generate(input_ids=ids, attention_mask=mask, do_sample=False)
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    out = llama.generate(input_ids=ids, attention_mask=mask, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 20 and torch.equal(out, expected)
+
+
+def test_allowed_tokens_by_prompt_and_prefix_with_several_sequences_per_prompt(llama):
+    """prefix_allowed_tokens_fn is asked with the prompt's index (as stock numbers expanded rows) and the
+    row's prefix; three sequences per prompt."""
+    ids, mask = left_padded_batch(llama)
+    asked = set()
+
+    def allowed(batch_id, prefix):
+        asked.add(batch_id)
+        last = int(prefix[-1])
+        return [(last * 7 + batch_id * 13 + i) % 500 + 3 for i in range(5)]
+
+    kwargs = dict(max_new_tokens=10, do_sample=True, top_k=1, num_return_sequences=3,
+                  prefix_allowed_tokens_fn=allowed)
+    expected = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    stock_asked, asked = asked, set()
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
+    assert asked == stock_asked == {0, 1, 2}
+    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
+
+
+@pytest.mark.parametrize("settings", [{"guidance_scale": 1.0}, {"low_memory": True}, {"penalty_alpha": 0.0}])
+def test_settings_that_do_nothing_do_not_turn_speculation_off(llama, settings):
+    ids, mask = left_padded_batch(llama, (5,))
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **settings)
+    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
 
 
 def test_several_returned_sequences_are_expanded_as_stock_expands_them(llama):
