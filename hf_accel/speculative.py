@@ -216,11 +216,13 @@ class SpeculativeLoop:
     def _accept(self, logits: torch.Tensor, draft: Draft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per row: how many drafted tokens to keep, the row's new tokens (kept drafts, then one from the
         target, at index ``kept``), and the processed scores at each position."""
-        scores = self._process(logits, draft)
         width = draft.width
-        in_draft = torch.arange(width, device=scores.device)[None, :] < draft.lengths[:, None]
+        in_draft = torch.arange(width, device=logits.device)[None, :] < draft.lengths[:, None]
+        # Drawn first: with processors, each row is processed only up to its first rejection, decided by these.
+        draws = torch.rand(len(self.rows), width, device=logits.device) if self.config.do_sample else None
+        scores = self._process(logits, draft, draws)
         if self.config.do_sample:
-            kept, extra = accept_sampled(scores.softmax(-1), draft, in_draft)
+            kept, extra = accept_sampled(scores.softmax(-1), draft, in_draft, draws)
         else:
             choice = scores.argmax(-1)
             kept = ((choice[:, :width] == draft.tokens) & in_draft).long().cumprod(-1).sum(-1)
@@ -229,18 +231,38 @@ class SpeculativeLoop:
         tokens.scatter_(1, kept[:, None], extra[:, None])
         return kept, tokens, scores
 
-    def _process(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
-        """The logits processors at each position, row by row, with the prefix stock generate would pass."""
+    def _process(self, logits: torch.Tensor, draft: Draft, draws: torch.Tensor | None) -> torch.Tensor:
+        """The logits processors at each position with the prefix stock generate would pass, row by row, up to
+        the row's first rejected draft: later positions hold prefixes stock never builds (a processor may
+        keep state or refuse them), and their scores are never used."""
         if not any(self.processors):
             return logits
-        out = torch.empty_like(logits)
+        out = logits.clone()
         for b, row in enumerate(self.rows):
             prefix = row
             for j in range(logits.shape[1]):
+                if bool(self.finished[b]) or self._ends(prefix, with_token=j > 0):
+                    break  # stock makes no more tokens for this row
                 out[b, j] = self.processors[b](prefix[None], logits[b, j][None].clone())[0]
-                if j < draft.width:
-                    prefix = torch.cat([prefix, draft.tokens[b, j : j + 1]])
+                if j >= int(draft.lengths[b]) or not self._keeps(out[b, j], draft, b, j, draws):
+                    break
+                prefix = torch.cat([prefix, draft.tokens[b, j : j + 1]])
         return out
+
+    def _ends(self, prefix: torch.Tensor, with_token: bool) -> bool:
+        """Whether a row whose tokens are ``prefix`` has ended (its last token, if new, is EOS; or its budget
+        is spent)."""
+        spent = prefix.shape[0] - self.prompt_length >= self.max_new_tokens
+        return spent or (with_token and int(prefix[-1]) in self.eos)
+
+    def _keeps(self, scores: torch.Tensor, draft: Draft, b: int, j: int, draws: torch.Tensor | None) -> bool:
+        """Whether row b keeps draft token j, by the rule ``_accept`` applies (the same draw when sampling)."""
+        token = draft.tokens[b, j]
+        if draws is None:
+            return bool(scores.argmax() == token)
+        p = scores.softmax(-1)[token]
+        q = scores.new_tensor(1.0) if draft.probs is None else draft.probs[b, j, token].to(p.dtype)
+        return bool((draws[b, j] * q < p) & (q > 0))
 
     # -- bookkeeping --------------------------------------------------------------------------------------
     def _append(self, tokens: torch.Tensor, count: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor) -> None:
@@ -285,11 +307,13 @@ class SpeculativeLoop:
         return tuple(out)
 
 
-def accept_sampled(p: torch.Tensor, draft: Draft, in_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_sampled(p: torch.Tensor, draft: Draft, in_draft: torch.Tensor,
+                   draws: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact speculative sampling. ``p``: the target's probabilities at each of the k+1 positions.
 
     Draft token x at position j is accepted with probability min(1, p(x) / q(x)); at the first rejection the
     token is resampled from max(p - q, 0), normalised; if every draft is accepted, one more is sampled from p.
+    ``draws``: the uniform draws ``u`` (``[batch, k]``), when the caller decided with them already.
     """
     batch, width = draft.tokens.shape
     vocab = p.shape[-1]
@@ -300,7 +324,8 @@ def accept_sampled(p: torch.Tensor, draft: Draft, in_draft: torch.Tensor) -> tup
         q = draft.probs.to(p.dtype)
     p_x = p[:, :width].gather(2, draft.tokens[..., None])[..., 0]
     q_x = q.gather(2, draft.tokens[..., None])[..., 0]
-    ok = torch.rand(batch, width, device=p.device) * q_x < p_x  # u < p/q (u in [0, 1)) without dividing by zero
+    u = torch.rand(batch, width, device=p.device) if draws is None else draws
+    ok = u * q_x < p_x  # u < p/q (u in [0, 1)) without dividing by zero
     ok &= in_draft & (q_x > 0)
     kept = ok.long().cumprod(-1).sum(-1)
     rows = torch.arange(batch, device=p.device)

@@ -275,8 +275,8 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
                    plugins=[drafter_plugin(lambda m, c: RandomDrafter(vocab), k=2, low=2, high=2)])
     kept_counts = []
 
-    def recording(p, draft, in_draft):
-        kept, extra = accept_sampled(p, draft, in_draft)
+    def recording(p, draft, in_draft, draws=None):
+        kept, extra = accept_sampled(p, draft, in_draft, draws)
         kept_counts.append(kept[draft.lengths == 2])
         return kept, extra
 

@@ -87,6 +87,26 @@ def test_allowed_tokens_by_prompt_and_prefix_with_several_sequences_per_prompt(l
     assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
 
 
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "top-1 sampling"])
+def test_a_trie_of_allowed_continuations_is_asked_only_about_prefixes_stock_builds(llama, do_sample):
+    """A constraint that allows exactly one path and returns [] off it (which the processor refuses): drafts
+    that leave the path are rejected without the function being asked about the prefixes they make."""
+    ids, mask = left_padded_batch(llama)
+    width = ids.shape[1]
+    path = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+
+    def allowed(batch_id, prefix):
+        n = prefix.shape[0]
+        return [int(path[batch_id, n])] if n < path.shape[1] and torch.equal(prefix, path[batch_id, :n]) else []
+
+    kwargs = dict(max_new_tokens=16, prefix_allowed_tokens_fn=allowed, do_sample=do_sample,
+                  **({"top_k": 1} if do_sample else {}))
+    expected = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert torch.equal(expected[:, width:], path[:, width:])
+    hf_accel.patch(llama, compile=None, speculative="ngram")  # prompt lookup drafts off the path at times
+    assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
+
+
 @pytest.mark.parametrize("settings", [{"guidance_scale": 1.0}, {"low_memory": True}, {"penalty_alpha": 0.0}])
 def test_settings_that_do_nothing_do_not_turn_speculation_off(llama, settings):
     ids, mask = left_padded_batch(llama, (5,))
