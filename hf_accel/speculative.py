@@ -279,12 +279,13 @@ class SpeculativeLoop:
                 self.stats.generated += 1
                 if self.streamer is not None:
                     self.streamer.put(tokens[b, j : j + 1].cpu())
-                if self._row_done(b, int(tokens[b, j]), scores[b, j]):
+                if self._row_done(b, scores[b, j]):
                     self.finished[b] = True
                     break
 
-    def _row_done(self, b: int, token: int, scores: torch.Tensor) -> bool:
-        if token in self.eos or self.rows[b].shape[0] - self.prompt_length >= self.max_new_tokens:
+    def _row_done(self, b: int, scores: torch.Tensor) -> bool:
+        """After a token was appended to row b: its EOS, its budget, or a stopping criterion."""
+        if self._ends(self.rows[b], with_token=True):
             return True
         return bool(self.stopping and self.stopping(self.rows[b][None], scores[None]).any())
 
