@@ -152,7 +152,8 @@ class SpeculativeLoop:
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter, config: GenerationConfig,
                  processors: list[LogitsProcessorList], stopping: StoppingCriteriaList | None, streamer: Any,
-                 max_new_tokens: int, draft_length: DraftLength, make_lm: LMFactory | None = None) -> None:
+                 max_new_tokens: int, draft_length: DraftLength, make_lm: LMFactory | None = None,
+                 draft_processors: list[LogitsProcessorList] | None = None) -> None:
         #: Makes the :class:`CachedLM` a model of this call runs in (the target here, a draft model in a drafter).
         self.make_lm = make_lm or eager_lm
         self.target = self.make_lm(model, "target")
@@ -160,6 +161,9 @@ class SpeculativeLoop:
         self.config = config
         #: Row b's logits processors (stock's, built for that row: some hold per-row state such as its padding).
         self.processors = processors
+        #: What a drafter applies to its own proposals: the same, less the user's processors (built-in ones are
+        #: functions of the prefix; a user's may count its calls, and stock makes none for drafts).
+        self.draft_processors = processors if draft_processors is None else draft_processors
         self.stopping = stopping
         self.streamer = streamer
         self.max_new_tokens = max_new_tokens
@@ -170,6 +174,8 @@ class SpeculativeLoop:
         self.prompt_length = 0
         self.scores: list[list[torch.Tensor]] = []
         self.logits: list[list[torch.Tensor]] = []
+        #: (row, length) -> whether a stopping criterion ended the row there, for the current step's prefixes.
+        self._stop_checked: dict[tuple[int, int], bool] = {}
         self.stats = SpeculativeStats()
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -235,13 +241,14 @@ class SpeculativeLoop:
         """The logits processors at each position with the prefix stock generate would pass, row by row, up to
         the row's first rejected draft: later positions hold prefixes stock never builds (a processor may
         keep state or refuse them), and their scores are never used."""
+        self._stop_checked = {}
         if not any(self.processors):
             return logits
         out = logits.clone()
         for b, row in enumerate(self.rows):
             prefix = row
             for j in range(logits.shape[1]):
-                if bool(self.finished[b]) or self._ends(prefix, with_token=j > 0):
+                if bool(self.finished[b]) or self._ends(prefix, with_token=j > 0) or (j > 0 and self._stops(b, prefix, out[b, :j])):
                     break  # stock makes no more tokens for this row
                 out[b, j] = self.processors[b](prefix[None], logits[b, j][None].clone())[0]
                 if j >= int(draft.lengths[b]) or not self._keeps(out[b, j], draft, b, j, draws):
@@ -279,15 +286,27 @@ class SpeculativeLoop:
                 self.stats.generated += 1
                 if self.streamer is not None:
                     self.streamer.put(tokens[b, j : j + 1].cpu())
-                if self._row_done(b, scores[b, j]):
+                if self._row_done(b):
                     self.finished[b] = True
                     break
 
-    def _row_done(self, b: int, scores: torch.Tensor) -> bool:
+    def _row_done(self, b: int) -> bool:
         """After a token was appended to row b: its EOS, its budget, or a stopping criterion."""
-        if self._ends(self.rows[b], with_token=True):
-            return True
-        return bool(self.stopping and self.stopping(self.rows[b][None], scores[None]).any())
+        return self._ends(self.rows[b], with_token=True) or self._stops(b, self.rows[b])
+
+    def _stops(self, b: int, prefix: torch.Tensor, pending: torch.Tensor | None = None) -> bool:
+        """Whether a stopping criterion (stock's or the user's) ends row ``b`` at ``prefix``. Criteria get what
+        stock passes them: every step's scores so far when the call returns them (``pending``: scores of
+        positions not appended yet), else None."""
+        if not self.stopping:
+            return False
+        if (b, prefix.shape[0]) in self._stop_checked:  # asked while processing this step (criteria may count)
+            return self._stop_checked[b, prefix.shape[0]]
+        scores = None
+        if self.config.return_dict_in_generate and self.config.output_scores:
+            scores = tuple(s[None] for s in [*self.scores[b], *([] if pending is None else pending)])
+        stops = self._stop_checked[b, prefix.shape[0]] = bool(self.stopping(prefix[None], scores).any())
+        return stops
 
     def _sequences(self) -> torch.Tensor:
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else min(self.eos, default=0)
@@ -419,12 +438,12 @@ class ModelDrafter:
             logits = logits[..., : self.vocab_size]
             if logits.shape[-1] < self.vocab_size:
                 logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=-float("inf"))
-        if not any(loop.processors):
+        if not any(loop.draft_processors):
             return logits
         out = torch.empty_like(logits)
         for b, row in enumerate(loop.rows):
             prefix = torch.cat([row, *(token[b:b + 1] for token in drafted)])
-            out[b] = loop.processors[b](prefix[None], logits[b:b + 1].clone())[0]
+            out[b] = loop.draft_processors[b](prefix[None], logits[b:b + 1].clone())[0]
         return out
 
 
@@ -469,6 +488,7 @@ class CallPlan:
     attention_mask: torch.Tensor
     config: GenerationConfig
     processors: list[LogitsProcessorList]  # one list per row
+    draft_processors: list[LogitsProcessorList]  # the same without the user's own (a drafter's calls are extra)
     stopping: StoppingCriteriaList | None
     streamer: Any
     max_new_tokens: int
@@ -520,6 +540,11 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         return "output_scores/output_logits with batch > 1"
     if extra["tokenizer"] is None and config.stop_strings:
         return "stop_strings without tokenizer= (stock generate raises for it)"
+    for name in ("logits_processor", "stopping_criteria"):
+        if extra[name] and input_ids.shape[0] > 1:
+            # Built-in processors are built per row; a user's object is one for the whole batch and may read
+            # rows by index or keep per-row state, so calling it one row at a time could change its answers.
+            return f"a {name} of your own with batch > 1 (the loop calls it one row at a time)"
     model._prepare_special_tokens(config, True, input_ids.device)
     # Each row's processors are built and called as a batch of one (the prompt row it came from, for
     # prefix_allowed_tokens_fn: stock numbers expanded rows by their prompt).
@@ -527,11 +552,16 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
     row_config.num_return_sequences = 1
     processors = [_row_processors(model, row_config, input_ids, attention_mask, b, b // config.num_return_sequences,
                                   extra) for b in range(len(input_ids))]
+    # With batch 1 the user's processors see exactly stock's calls; a drafter's calls would be extra ones.
+    draft_processors = processors if not extra["logits_processor"] else [
+        _row_processors(model, row_config, input_ids, attention_mask, b, b // config.num_return_sequences,
+                        {**extra, "logits_processor": None}) for b in range(len(input_ids))]
     # Stock's criteria (lengths, EOS, stop strings, time) merged with the user's as stock merges them; the loop
     # checks them per row after each token.
     stopping = model._get_stopping_criteria(config, StoppingCriteriaList(extra["stopping_criteria"] or []),
                                             tokenizer=extra["tokenizer"])
-    return CallPlan(input_ids, attention_mask, config, processors, stopping, extra["streamer"], max_new)
+    return CallPlan(input_ids, attention_mask, config, processors, draft_processors, stopping, extra["streamer"],
+                    max_new)
 
 
 def _row_processors(model: Any, config: GenerationConfig, input_ids: torch.Tensor, mask: torch.Tensor, row: int,
@@ -585,7 +615,8 @@ class SpeculativeRunner:
         compiled: list[Any] = []  # the compiled forwards this call runs, told how long it was when it ends
         loop = SpeculativeLoop(call.model, drafter, plan.config, plan.processors, plan.stopping, plan.streamer,
                                plan.max_new_tokens, self.draft_length,
-                               make_lm=lambda model, role="target": self._cached_lm(call, plan, model, role, compiled))
+                               make_lm=lambda model, role="target": self._cached_lm(call, plan, model, role, compiled),
+                               draft_processors=plan.draft_processors)
         try:
             with torch.no_grad():
                 loop.run(plan.input_ids, plan.attention_mask)

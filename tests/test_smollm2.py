@@ -161,6 +161,9 @@ def test_model_card_style_settings_and_stop_strings_keep_speculation_and_stocks_
     settings = dict(max_new_tokens=48, do_sample=False, repetition_penalty=1.1, min_new_tokens=16,
                     no_repeat_ngram_size=4, stop_strings=["\n\n"], tokenizer=tokenizer)
     expected = [model.generate(**x, **settings) for x in inputs]
+    stopped = [w.shape[1] - x["input_ids"].shape[1] < 48 and "\n\n" in tokenizer.decode(w[0, -2:])
+               for x, w in zip(inputs, expected)]
+    assert 1 <= sum(stopped) < len(stopped)  # the stop string ends some answers early (code, edit), not all
     hf_accel.patch(model, compile=None)
     try:
         for x, want in zip(inputs, expected):

@@ -212,16 +212,6 @@ def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic.double() / 2))
 
 
-class BanToken(LogitsProcessor):
-    """A user's processor: token ``banned`` gets probability 0 (a drafter keeps proposing it)."""
-
-    def __init__(self, banned: int) -> None:
-        self.banned = banned
-
-    def __call__(self, input_ids, scores):
-        return scores.index_fill(-1, torch.tensor([self.banned]), -float("inf"))
-
-
 def exact_continuations(model, prompt: torch.Tensor, mask: torch.Tensor, processors, vocab: int,
                         n: int) -> torch.Tensor:
     """The probability of each of the vocab**n continuations of the left-padded ``prompt`` under ``processors``
@@ -242,11 +232,13 @@ def exact_continuations(model, prompt: torch.Tensor, mask: torch.Tensor, process
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 1.0, "top_k": 0}, {"temperature": 0.7, "top_k": 3},
-                                      {"top_p": 0.7, "top_k": 0}, {"temperature": 1.0, "top_k": 0, "ban": 3},
+                                      {"top_p": 0.7, "top_k": 0}, {"bad_words_ids": [[3]], "top_k": 0},
                                       {"min_p": 0.15, "top_k": 0}, {"typical_p": 0.8, "top_k": 0},
+                                      {"top_h": 0.9, "top_k": 0}, {"epsilon_cutoff": 0.1, "top_k": 0},
+                                      {"eta_cutoff": 0.1, "top_k": 0},
                                       {"repetition_penalty": 1.8, "top_k": 0}, {"no_repeat_ngram_size": 2, "top_k": 0}],
-                         ids=["plain", "temperature-topk", "top-p", "user-processor", "min-p", "typical-p",
-                              "repetition-penalty", "no-repeat-ngram"])
+                         ids=["plain", "temperature-topk", "top-p", "bad-words", "min-p", "typical-p", "top-h",
+                              "epsilon", "eta", "repetition-penalty", "no-repeat-ngram"])
 def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token(sampling, monkeypatch):
     """A left-padded batch of two prompts, 4000 rows each, samples 4 tokens from a 4-token vocabulary with
     drafts of 2: the first token comes from the prompt, the next two from draft positions 0 and 1 (or their
@@ -262,12 +254,10 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(6)  # a peaked target, unlike the drafter's q
-    sampling = dict(sampling)
-    user = LogitsProcessorList([BanToken(sampling.pop("ban"))] if "ban" in sampling else [])
     settings = GenerationConfig(do_sample=True, **sampling)
+    model._prepare_special_tokens(settings, True, "cpu")  # as generate does before building processors
     exact = [exact_continuations(model, p, m, model._get_logits_processor(  # stock's, for that prompt's padding
-        settings, logits_processor=user, model_kwargs={"attention_mask": m}), vocab, new)
-        for p, m in zip(prompts, masks)]
+        settings, model_kwargs={"attention_mask": m}), vocab, new) for p, m in zip(prompts, masks)]
 
     ids = torch.cat([p.expand(rows, -1) for p in prompts])
     mask = torch.cat([m.expand(rows, -1) for m in masks])
@@ -283,7 +273,7 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
     monkeypatch.setattr(speculative, "accept_sampled", recording)
     torch.manual_seed(1)
     out = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new, pad_token_id=0,
-                         logits_processor=user, **sampling)[:, 4:]
+                         **sampling)[:, 4:]
     kept = torch.bincount(torch.cat(kept_counts), minlength=3)
     assert (kept > 100).all(), kept  # rejections at draft positions 0 and 1, and bonus tokens, each often
     index = sum(out[:, j] * vocab ** (new - 1 - j) for j in range(new))
@@ -312,8 +302,11 @@ def test_draft_model_with_itself_accepts_everything(llama):
     assert stats(llama)["acceptance_rate"] == 1.0
 
 
-def test_draft_model_sampling_follows_the_target_distribution():
-    """Same check as above with a real draft model's q (significance level 0.001)."""
+@pytest.mark.parametrize("settings", [{}, {"repetition_penalty": 1.8, "top_p": 0.9}],
+                         ids=["plain", "processed-drafts"])
+def test_draft_model_sampling_follows_the_target_distribution(settings):
+    """Same check as above with a real draft model's q, which passes the call's processors too (significance
+    level 0.001)."""
     vocab, rows, prompt = 6, 3000, torch.tensor([[1, 4, 2, 5]])
     config = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -323,17 +316,18 @@ def test_draft_model_sampling_follows_the_target_distribution():
     with torch.no_grad():
         model.lm_head.weight.mul_(8)
         draft.lm_head.weight.mul_(4)
-        first = model(prompt).logits[0, -1].softmax(-1)
-        seconds = torch.stack([model(torch.cat([prompt, torch.tensor([[t]])], 1)).logits[0, -1].softmax(-1)
-                               for t in range(vocab)])
-    exact = (first[:, None] * seconds).reshape(-1)
+    mask = torch.ones_like(prompt)
+    processors = model._get_logits_processor(GenerationConfig(do_sample=True, top_k=0, **settings),
+                                             model_kwargs={"attention_mask": mask})
+    exact = exact_continuations(model, prompt, mask, processors, vocab, 2)
     hf_accel.patch(model, compile=None, speculative=draft)
     torch.manual_seed(2)
-    out = model.generate(prompt.repeat(rows, 1), attention_mask=torch.ones(rows, 4, dtype=torch.long),
-                         do_sample=True, top_k=0, max_new_tokens=2, pad_token_id=0)
+    out = model.generate(prompt.repeat(rows, 1), attention_mask=mask.repeat(rows, 1), do_sample=True, top_k=0,
+                         max_new_tokens=2, pad_token_id=0, **settings)
     observed = torch.bincount(out[:, 4] * vocab + out[:, 5], minlength=vocab * vocab).double()
     assert 0 < stats(model)["accepted"] < stats(model)["drafted"]
-    assert chi_square_p_value(observed, exact.double() * rows) > 0.001
+    assert observed[exact == 0].sum() == 0
+    assert chi_square_p_value(observed, exact * rows) > 0.001
 
 
 def test_int4_self_draft_extended_by_lookup_samples_the_target_distribution():

@@ -10,9 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import left_padded_batch, make_tiny_model
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 import hf_accel
-from hf_accel.speculative_settings import SETTINGS, blocking_settings, known_fields, settings_table
+from hf_accel.speculative_settings import (
+    SETTINGS,
+    blocking_settings,
+    known_fields,
+    settings_table,
+)
 
 #: Per covered setting, generate arguments made from a reference greedy run (so that they bite on its tokens).
 CASES = {
@@ -123,6 +134,71 @@ def test_several_returned_sequences_are_expanded_as_stock_expands_them(llama):
     out = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
     assert out.shape[0] == 9 and torch.equal(out, expected)
     assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
+
+
+class Recorder(LogitsProcessor, StoppingCriteria):
+    """A user's processor and stopping criterion that records every prefix it is asked about; as a processor it
+    also bans one token, so that it changes the output."""
+
+    def __init__(self, banned: int, stop_after: int | None = None) -> None:
+        self.banned, self.stop_after = banned, stop_after
+        self.prefixes: list[tuple[int, ...]] = []
+
+    def __call__(self, input_ids, scores):
+        self.prefixes.append(tuple(input_ids[0].tolist()))
+        if isinstance(scores, torch.Tensor) and scores.dim() == 2:  # called as a processor
+            return scores.index_fill(-1, torch.tensor([self.banned]), -float("inf"))
+        return torch.tensor([self.stop_after is not None and len(self.prefixes) >= self.stop_after])
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "top-1 sampling"])
+def test_a_users_processor_and_stopping_criterion_see_exactly_stocks_calls(drafter, do_sample):
+    """With one row, a user's processor is asked once per new token about the prefix before it, and the user's
+    criterion once per token about the prefix after it, in order: as in stock, drafts never reach them."""
+    model = make_tiny_model("llama")
+    ids, mask = left_padded_batch(model, (13,))  # its greedy continuation repeats a cycle: lookups are kept
+    n = ids.shape[1]
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+
+    def run(target):
+        processor, criterion = Recorder(int(reference[0, n + 14])), Recorder(0, stop_after=20)
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=do_sample,
+                              logits_processor=LogitsProcessorList([processor]),
+                              stopping_criteria=StoppingCriteriaList([criterion]),
+                              **({"top_k": 1} if do_sample else {}))
+        return out, processor.prefixes, criterion.prefixes
+
+    expected, stock_processed, stock_stopped = run(model)
+    assert expected.shape[1] == n + 20  # the user's criterion ended it
+    assert not torch.equal(expected, reference[:, :expected.shape[1]])  # the ban changed it
+    hf_accel.patch(model, compile=None, speculative=make_tiny_model("llama") if drafter == "draft_model" else "ngram")
+    out, processed, stopped = run(model)
+    assert torch.equal(out, expected)
+    assert processed == stock_processed and stopped == stock_stopped
+    details = hf_accel.report(model)["speculative"].details
+    assert details["fallbacks_to_stock"] == 0 and details["accepted"] > 0
+
+
+@pytest.mark.parametrize("argument", ["logits_processor", "stopping_criteria"])
+def test_a_users_processor_or_criterion_with_a_batch_runs_stock(llama, argument, caplog):
+    """Built for the whole batch, it may read rows by index or keep per-row state: the loop does not call it
+    one row at a time."""
+    ids, mask = left_padded_batch(llama)
+    def user():  # a fresh one per call: the criterion counts its calls
+        return {"logits_processor": LogitsProcessorList([Recorder(5)]),
+                "stopping_criteria": StoppingCriteriaList([Recorder(0, stop_after=6)])}[argument]
+
+    expected = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                              **{argument: user()})
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                             **{argument: user()})
+    assert torch.equal(out, expected)
+    reasons = hf_accel.report(llama)["speculative"].details["fallback_reasons"]
+    assert reasons == {f"a {argument} of your own with batch > 1 (the loop calls it one row at a time)": 1}
+    assert argument in caplog.text
 
 
 def test_stop_strings_without_a_tokenizer_fail_as_in_stock(llama):
