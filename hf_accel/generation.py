@@ -73,7 +73,8 @@ class GenerateCall:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             return None
         settings = {k: v for k, v in kwargs.items() if k not in _MODEL_INPUTS}
-        config, _ = self.model._prepare_generation_config(settings.pop("generation_config", None), **settings)
+        config, _ = self.model._prepare_generation_config(
+            settings.get("generation_config"), **{k: v for k, v in settings.items() if k != "generation_config"})
         if (config.num_beams != 1 or config.prompt_lookup_num_tokens or config.cache_implementation is not None
                 or settings.get("assistant_model") is not None):
             return None
@@ -95,11 +96,16 @@ class GenerateCall:
 
 def generated_length(model: Any, config: Any, call_kwargs: dict[str, Any], input_ids: torch.Tensor) -> int:
     """The most new tokens stock ``generate`` makes for this call, by its own rule (``max_new_tokens``; else a
-    ``max_length`` the call passed; else the configured one counted from the end of the prompt, capped by the
-    model's positions), which also sets ``config.min_length`` from ``min_new_tokens``. Updates ``config``."""
-    has_default_max = call_kwargs.get("max_length") is None and config.max_length is not None
-    has_default_min = call_kwargs.get("min_length") is None and config.min_length is not None
-    model._prepare_generated_length(config, has_default_max, has_default_min, "input_ids", input_ids.shape[1],
+    ``max_length`` set anywhere, by the call, its ``generation_config`` or the model's; else 20 counted from the
+    end of the prompt, capped by the model's positions), which also sets ``config.min_length`` from
+    ``min_new_tokens``. Updates ``config``. ``call_kwargs``: the call's settings, ``generation_config`` included."""
+    passed = call_kwargs.get("generation_config")
+
+    def unset(name: str) -> bool:
+        return (call_kwargs.get(name) is None and getattr(passed, name, None) is None
+                and getattr(model.generation_config, name, None) is None)
+
+    model._prepare_generated_length(config, unset("max_length"), unset("min_length"), "input_ids", input_ids.shape[1],
                                     input_ids)
     return config.max_length - input_ids.shape[1]
 

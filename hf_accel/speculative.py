@@ -136,7 +136,7 @@ class DraftLength:
 
 def unsupported_setting(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
     """What in a call the loop cannot reproduce exactly (see :mod:`hf_accel.speculative_settings`), or None."""
-    blocking = blocking_settings(config)
+    blocking = blocking_settings(config, with_values=False)  # one reason per setting, whatever its value
     if blocking:
         return f"generation setting {blocking[0]}"
     extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_INPUTS and v is not None)
@@ -248,7 +248,8 @@ class SpeculativeLoop:
         for b, row in enumerate(self.rows):
             prefix = row
             for j in range(logits.shape[1]):
-                if bool(self.finished[b]) or self._ends(prefix, with_token=j > 0) or (j > 0 and self._stops(b, prefix, out[b, :j])):
+                stops = j > 0 and self._stops(b, prefix, out[b, :j])  # asked after every token, as stock asks
+                if bool(self.finished[b]) or self._ends(prefix, with_token=j > 0) or stops:
                     break  # stock makes no more tokens for this row
                 out[b, j] = self.processors[b](prefix[None], logits[b, j][None].clone())[0]
                 if j >= int(draft.lengths[b]) or not self._keeps(out[b, j], draft, b, j, draws):
@@ -292,7 +293,8 @@ class SpeculativeLoop:
 
     def _row_done(self, b: int) -> bool:
         """After a token was appended to row b: its EOS, its budget, or a stopping criterion."""
-        return self._ends(self.rows[b], with_token=True) or self._stops(b, self.rows[b])
+        stops = self._stops(b, self.rows[b])  # asked after every token, the last one too, as stock asks
+        return self._ends(self.rows[b], with_token=True) or stops
 
     def _stops(self, b: int, prefix: torch.Tensor, pending: torch.Tensor | None = None) -> bool:
         """Whether a stopping criterion (stock's or the user's) ends row ``b`` at ``prefix``. Criteria get what
@@ -478,6 +480,9 @@ class SelfDrafter(ModelDrafter):
 _GENERATE_ARGS = ("inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
                   "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
                   "negative_prompt_attention_mask", "custom_generate")
+#: Calls stock ``generate`` refuses: the fallback lets it raise its own error, without a warning first.
+STOCK_RAISES_FOR_STOP_STRINGS = "stop_strings without tokenizer= (stock generate raises for it)"
+STOCK_RAISES_FOR_SEQUENCES = "num_return_sequences > 1 without sampling (stock generate raises for it)"
 _NOT_COVERED = ("synced_gpus", "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
                 "custom_generate", "assistant_tokenizer")
 
@@ -530,7 +535,7 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         attention_mask = _infer_attention_mask(input_ids, config)
     if config.num_return_sequences > 1:
         if not config.do_sample:  # stock refuses it without beams; let it say so
-            return "num_return_sequences > 1 without sampling"
+            return STOCK_RAISES_FOR_SEQUENCES
         input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
         attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
     if extra["streamer"] is not None and input_ids.shape[0] > 1:
@@ -539,7 +544,11 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         # Stock keeps scoring rows that ended (on padding) until the last row ends; the loop stops running them.
         return "output_scores/output_logits with batch > 1"
     if extra["tokenizer"] is None and config.stop_strings:
-        return "stop_strings without tokenizer= (stock generate raises for it)"
+        return STOCK_RAISES_FOR_STOP_STRINGS
+    if input_ids.shape[0] > 1 and config.eos_token_id in (None, []) and (config.stop_strings or config.max_time):
+        # Without an EOS token stock pads no row: a row a stop string or the clock ended keeps generating real
+        # tokens until every row has ended; the loop would stop it.
+        return "stop_strings or max_time with batch > 1 and no eos_token_id"
     for name in ("logits_processor", "stopping_criteria"):
         if extra[name] and input_ids.shape[0] > 1:
             # Built-in processors are built per row; a user's object is one for the whole batch and may read
@@ -552,10 +561,12 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
     row_config.num_return_sequences = 1
     processors = [_row_processors(model, row_config, input_ids, attention_mask, b, b // config.num_return_sequences,
                                   extra) for b in range(len(input_ids))]
-    # With batch 1 the user's processors see exactly stock's calls; a drafter's calls would be extra ones.
-    draft_processors = processors if not extra["logits_processor"] else [
+    # The user's processors and prefix_allowed_tokens_fn see exactly stock's calls; a drafter's would be extra
+    # ones, about prefixes stock never builds (past an EOS, or a draft later rejected).
+    users = {"logits_processor": None, "prefix_allowed_tokens_fn": None}
+    draft_processors = processors if not any(extra[k] for k in users) else [
         _row_processors(model, row_config, input_ids, attention_mask, b, b // config.num_return_sequences,
-                        {**extra, "logits_processor": None}) for b in range(len(input_ids))]
+                        {**extra, **users}) for b in range(len(input_ids))]
     # Stock's criteria (lengths, EOS, stop strings, time) merged with the user's as stock merges them; the loop
     # checks them per row after each token.
     stopping = model._get_stopping_criteria(config, StoppingCriteriaList(extra["stopping_criteria"] or []),
@@ -661,7 +672,7 @@ class SpeculativeRunner:
         reasons = self.details.setdefault("fallback_reasons", {})
         reasons[reason] = reasons.get(reason, 0) + 1
         self.details.update(self.stats.as_details())
-        if reason not in self._logged:
+        if reason not in self._logged and reason not in (STOCK_RAISES_FOR_STOP_STRINGS, STOCK_RAISES_FOR_SEQUENCES):
             self._logged.add(reason)
             logger.warning("hf_accel: speculative decoding does not cover %s, so this call (and any like it) runs "
                            "stock generate with the patch's cache and compiled step but no speculation; drop that "

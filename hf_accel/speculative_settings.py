@@ -103,8 +103,9 @@ SETTINGS: dict[str, tuple[str, str]] = {
 }
 
 
-def blocking_settings(config: GenerationConfig) -> list[str]:
-    """The non-default settings of ``config`` that send a call to stock ``generate``, each with the reason."""
+def blocking_settings(config: GenerationConfig, with_values: bool = True) -> list[str]:
+    """The non-default settings of ``config`` that send a call to stock ``generate``, each with the reason
+    (``key=value (why)``; without the value when ``with_values`` is False: one reason per setting)."""
     defaults = config._get_default_generation_params()
     fields = known_fields()
     found = []
@@ -118,12 +119,14 @@ def blocking_settings(config: GenerationConfig) -> list[str]:
             NO_EFFECT, "not a transformers setting")  # a model card's own entry: generate ignores it
         status, why = SETTINGS.get(key, unknown)
         if status == FALLBACK:
-            found.append(f"{key}={value!r} ({why})")
+            found.append(f"{key}={value!r} ({why})" if with_values else f"{key} ({why})")
     return found
 
 
-#: Values that turn a fallback setting off without being its default (stock checks these, not the default).
-NEUTRAL: dict[str, object] = {"guidance_scale": 1.0, "penalty_alpha": 0.0, "num_beams": 1, "num_beam_groups": 1}
+#: Values that turn a fallback setting off without being its default (stock checks these, not the default;
+#: ``generate`` drops ``cache_implementation="hybrid"``, which older model cards carry, before using it).
+NEUTRAL: dict[str, object] = {"guidance_scale": 1.0, "penalty_alpha": 0.0, "num_beams": 1, "num_beam_groups": 1,
+                              "cache_implementation": "hybrid"}
 
 
 def settings_table() -> str:

@@ -236,9 +236,13 @@ def exact_continuations(model, prompt: torch.Tensor, mask: torch.Tensor, process
                                       {"min_p": 0.15, "top_k": 0}, {"typical_p": 0.8, "top_k": 0},
                                       {"top_h": 0.9, "top_k": 0}, {"epsilon_cutoff": 0.1, "top_k": 0},
                                       {"eta_cutoff": 0.1, "top_k": 0},
-                                      {"repetition_penalty": 1.8, "top_k": 0}, {"no_repeat_ngram_size": 2, "top_k": 0}],
+                                      {"repetition_penalty": 1.8, "top_k": 0}, {"no_repeat_ngram_size": 2, "top_k": 0},
+                                      {"suppress_tokens": [2], "top_k": 0},
+                                      {"sequence_bias": {(1,): -1.5, (3, 2): 2.0}, "top_k": 0},
+                                      {"top_p": 0.9, "top_k": 0, "sequences": True}],
                          ids=["plain", "temperature-topk", "top-p", "bad-words", "min-p", "typical-p", "top-h",
-                              "epsilon", "eta", "repetition-penalty", "no-repeat-ngram"])
+                              "epsilon", "eta", "repetition-penalty", "no-repeat-ngram", "suppress", "sequence-bias",
+                              "num-return-sequences"])
 def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token(sampling, monkeypatch):
     """A left-padded batch of two prompts, 4000 rows each, samples 4 tokens from a 4-token vocabulary with
     drafts of 2: the first token comes from the prompt, the next two from draft positions 0 and 1 (or their
@@ -254,13 +258,18 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(6)  # a peaked target, unlike the drafter's q
+    sampling = dict(sampling)
+    # The same rows, asked for as num_return_sequences per prompt (the loop expands them as stock does).
+    sequences = sampling.pop("sequences", False)
     settings = GenerationConfig(do_sample=True, **sampling)
     model._prepare_special_tokens(settings, True, "cpu")  # as generate does before building processors
     exact = [exact_continuations(model, p, m, model._get_logits_processor(  # stock's, for that prompt's padding
         settings, model_kwargs={"attention_mask": m}), vocab, new) for p, m in zip(prompts, masks)]
 
-    ids = torch.cat([p.expand(rows, -1) for p in prompts])
-    mask = torch.cat([m.expand(rows, -1) for m in masks])
+    ids = torch.cat([p.expand(1 if sequences else rows, -1) for p in prompts])
+    mask = torch.cat([m.expand(1 if sequences else rows, -1) for m in masks])
+    if sequences:
+        sampling["num_return_sequences"] = rows
     hf_accel.patch(model, compile=None, speculative="test_drafter",
                    plugins=[drafter_plugin(lambda m, c: RandomDrafter(vocab), k=2, low=2, high=2)])
     kept_counts = []

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import left_padded_batch, make_tiny_model
 from transformers import (
+    GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteria,
@@ -77,6 +78,52 @@ def test_a_call_without_a_length_makes_as_many_new_tokens_as_stock(llama):
     assert out.shape[1] == ids.shape[1] + 20 and torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_no_bigram_of_the_prompt_again(llama, drafter):
+    """encoder_no_repeat_ngram_size, on a prompt that ends in the model's own (repetitive) continuation, so
+    that the ban bites."""
+    ids, mask = left_padded_batch(llama)
+    ids = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    mask = torch.cat([mask, torch.ones(len(ids), 12, dtype=mask.dtype)], dim=1)
+    reference = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    expected = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                              encoder_no_repeat_ngram_size=2)
+    assert not torch.equal(expected, reference)
+    hf_accel.patch(llama, compile=None, speculative=make_tiny_model("llama") if drafter == "draft_model" else "ngram")
+    assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                                      encoder_no_repeat_ngram_size=2), expected)
+    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
+
+
+def test_a_forced_first_token_after_a_one_token_prompt(llama):
+    """forced_bos_token_id forces the token after a length-1 input (where an encoder-decoder starts)."""
+    ids, mask = left_padded_batch(llama, (1,))
+    expected = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                              forced_bos_token_id=5)
+    assert int(expected[0, 1]) == 5
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                      forced_bos_token_id=5), expected)
+    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
+
+
+@pytest.mark.parametrize("where", ["model's generation config", "generation_config argument", "call argument"])
+def test_a_max_length_set_anywhere_counts_the_prompt_as_stock_counts_it(llama, where):
+    ids, mask = left_padded_batch(llama)  # 7 wide: max_length 12 leaves 5 new tokens
+    kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False)
+    if where == "model's generation config":
+        llama.generation_config.max_length = 12
+    elif where == "generation_config argument":
+        kwargs["generation_config"] = GenerationConfig(max_length=12, do_sample=False)
+    else:
+        kwargs["max_length"] = 12
+    expected = llama.generate(**kwargs)
+    assert expected.shape[1] == 12
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    assert torch.equal(llama.generate(**kwargs), expected)
+    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
+
+
 def test_allowed_tokens_by_prompt_and_prefix_with_several_sequences_per_prompt(llama):
     """prefix_allowed_tokens_fn is asked with the prompt's index (as stock numbers expanded rows) and the
     row's prefix; three sequences per prompt."""
@@ -98,15 +145,19 @@ def test_allowed_tokens_by_prompt_and_prefix_with_several_sequences_per_prompt(l
     assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "top-1 sampling"])
-def test_a_trie_of_allowed_continuations_is_asked_only_about_prefixes_stock_builds(llama, do_sample):
+def test_a_trie_of_allowed_continuations_is_asked_only_about_prefixes_stock_builds(llama, do_sample, drafter):
     """A constraint that allows exactly one path and returns [] off it (which the processor refuses): drafts
-    that leave the path are rejected without the function being asked about the prefixes they make."""
+    that leave the path are rejected without the function being asked about the prefixes they make, and a
+    draft model drafts without asking it."""
     ids, mask = left_padded_batch(llama)
     width = ids.shape[1]
     path = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    asked = set()
 
     def allowed(batch_id, prefix):
+        asked.add((batch_id, tuple(prefix.tolist())))
         n = prefix.shape[0]
         return [int(path[batch_id, n])] if n < path.shape[1] and torch.equal(prefix, path[batch_id, :n]) else []
 
@@ -114,8 +165,35 @@ def test_a_trie_of_allowed_continuations_is_asked_only_about_prefixes_stock_buil
                   **({"top_k": 1} if do_sample else {}))
     expected = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
     assert torch.equal(expected[:, width:], path[:, width:])
-    hf_accel.patch(llama, compile=None, speculative="ngram")  # prompt lookup drafts off the path at times
+    stock_asked, asked = asked, set()
+    draft = make_tiny_model("llama", seed=3) if drafter == "draft_model" else "ngram"  # drafts off the path
+    hf_accel.patch(llama, compile=None, speculative=draft)
     assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
+    assert asked <= stock_asked and hf_accel.report(llama)["speculative"].details["drafted"] > 0
+
+
+def test_rows_a_stop_ends_without_an_eos_token_run_stock(llama):
+    """Without an EOS token stock pads no row: one that max_time (or a stop string) ended keeps generating
+    until all have ended, which the loop does not do."""
+    llama.generation_config.eos_token_id = None
+    ids, mask = left_padded_batch(llama)
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, max_time=10.0)
+    assert hf_accel.report(llama)["speculative"].details["fallback_reasons"] == {
+        "stop_strings or max_time with batch > 1 and no eos_token_id": 1}
+
+
+@pytest.mark.parametrize("settings", [{"renormalize_logits": True}, {"remove_invalid_values": True}])
+def test_settings_that_reshape_scores_give_stocks_scores(llama, settings):
+    ids, mask = left_padded_batch(llama, (9,))
+    kwargs = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True, **settings)
+    expected = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    out = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
+    for ours, stock in zip(out.scores, expected.scores, strict=True):
+        torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("settings", [{"guidance_scale": 1.0}, {"low_memory": True}, {"penalty_alpha": 0.0}])
@@ -151,9 +229,10 @@ class Recorder(LogitsProcessor, StoppingCriteria):
         return torch.tensor([self.stop_after is not None and len(self.prefixes) >= self.stop_after])
 
 
+@pytest.mark.parametrize("stop_after", [20, None], ids=["criterion-stops", "budget-stops"])
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "top-1 sampling"])
-def test_a_users_processor_and_stopping_criterion_see_exactly_stocks_calls(drafter, do_sample):
+def test_a_users_processor_and_stopping_criterion_see_exactly_stocks_calls(drafter, do_sample, stop_after):
     """With one row, a user's processor is asked once per new token about the prefix before it, and the user's
     criterion once per token about the prefix after it, in order: as in stock, drafts never reach them."""
     model = make_tiny_model("llama")
@@ -162,7 +241,7 @@ def test_a_users_processor_and_stopping_criterion_see_exactly_stocks_calls(draft
     reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
 
     def run(target):
-        processor, criterion = Recorder(int(reference[0, n + 14])), Recorder(0, stop_after=20)
+        processor, criterion = Recorder(int(reference[0, n + 14])), Recorder(0, stop_after=stop_after)
         out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=do_sample,
                               logits_processor=LogitsProcessorList([processor]),
                               stopping_criteria=StoppingCriteriaList([criterion]),
@@ -170,7 +249,7 @@ def test_a_users_processor_and_stopping_criterion_see_exactly_stocks_calls(draft
         return out, processor.prefixes, criterion.prefixes
 
     expected, stock_processed, stock_stopped = run(model)
-    assert expected.shape[1] == n + 20  # the user's criterion ended it
+    assert expected.shape[1] == n + (stop_after or 24)  # the user's criterion ended it, or the budget
     assert not torch.equal(expected, reference[:, :expected.shape[1]])  # the ban changed it
     hf_accel.patch(model, compile=None, speculative=make_tiny_model("llama") if drafter == "draft_model" else "ngram")
     out, processed, stopped = run(model)
@@ -217,24 +296,27 @@ def test_a_fallback_warns_once_per_reason_and_is_counted(llama, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_accel"):
         for _ in range(2):
             llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, do_sample=False)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "num_beams=2" in r.getMessage()]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "num_beams" in r.getMessage()]
     assert len(warnings) == 1 and "drop that setting" in warnings[0].getMessage()
     reasons = hf_accel.report(llama)["speculative"].details["fallback_reasons"]
-    assert reasons == {"generation setting num_beams=2 (beam search)": 2}
+    assert reasons == {"generation setting num_beams (beam search)": 2}
+    llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False)
+    assert hf_accel.report(llama)["speculative"].details["fallback_reasons"] == {
+        "generation setting num_beams (beam search)": 3}  # one reason per setting, whatever its value
 
 
 def test_a_model_cards_settings_that_block_speculation_are_listed(tmp_path, capsys):
-    from transformers import GenerationConfig
-
     from hf_accel.cli import main
 
-    GenerationConfig(repetition_penalty=1.1, num_beams=3, guidance_scale=1.5).save_pretrained(tmp_path)
+    GenerationConfig(repetition_penalty=1.1, num_beams=3, guidance_scale=1.5,
+                     cache_implementation="hybrid").save_pretrained(tmp_path)  # generate drops "hybrid" itself
     assert sorted(blocking_settings(GenerationConfig.from_pretrained(tmp_path))) == [
         "guidance_scale=1.5 (classifier-free guidance runs a second, unconditional pass with its own state)",
         "num_beams=3 (beam search)"]
     assert main(["doctor", "--model", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "num_beams=3" in out and "guidance_scale=1.5" in out and "repetition_penalty" not in out
+    assert "cache_implementation" not in out
 
 
 def test_every_generation_config_field_is_classified_and_the_docs_table_is_the_codes():
