@@ -10,6 +10,7 @@ import torch
 
 from .changes import Changes
 from .features import FEATURE_NAMES
+from .memory import shortfall
 
 if TYPE_CHECKING:
     import pluggy
@@ -114,6 +115,14 @@ class PatchContext:
         checks.append(check)
         self.changes.on_undo(lambda: checks.remove(check))
 
+    def account_memory(self, item: str, bytes_now: Callable[[], int]) -> None:
+        """Say what this backend holds beyond the unpatched model: ``bytes_now()`` gives its bytes whenever
+        ``hf_accel.report(model)`` is read (negative: bytes it freed, such as plain weights a packed copy
+        replaced). Example: ``context.account_memory("KV cache", cache.stored_bytes)``."""
+        items = self.state.memory.setdefault(self.feature, {})
+        items[item] = bytes_now
+        self.changes.on_undo(lambda: items.pop(item, None))
+
     def option(self, name: str, default: Any = None) -> Any:
         """The user's ``patch(..., name=value)``, or ``default`` (checked against the backends' :class:`Option`
         declarations before any backend runs)."""
@@ -144,6 +153,8 @@ class Backend:
     :param options: extra ``patch()`` keyword options it reads: an :class:`Option` (default and valid values,
         checked at ``patch`` time) or a bare default (not checked).
     :param install: what to install when ``why_unavailable`` says something is missing.
+    :param memory_needed: bytes it adds to the process once applied (or at its peak while applying, if higher),
+        estimated before it runs; where they would not fit in the free memory it is skipped with the reason.
     """
 
     name: str
@@ -160,6 +171,7 @@ class Backend:
     options: Mapping[str, Any] = field(default_factory=dict)
     description: str = ""
     install: str = ""
+    memory_needed: Callable[[PatchContext], int] | None = None
     plugin: str = ""
 
     def __post_init__(self) -> None:
@@ -197,7 +209,10 @@ class Backend:
             return "does not support sliding-window attention, which this model uses"
         if needs["softcap"] and not caps.softcap:
             return "does not support attention logit soft-capping, which this model uses"
-        return self.why_unsuitable(context) if self.why_unsuitable else None
+        reason = self.why_unsuitable(context) if self.why_unsuitable else None
+        if reason is None and self.memory_needed is not None:
+            reason = shortfall(context.device, self.memory_needed(context))
+        return reason
 
 
 def model_needs(config: Any) -> dict[str, bool]:

@@ -61,7 +61,7 @@ def run_cold_bench(model_dir: str, gguf_file: str | None, prompt: str, lengths: 
     base = {"model_dir": model_dir, "gguf_file": gguf_file, "prompt": prompt}
     warm = _cache_dirs(Path(scratch) / "warm")
     for config in configs:  # fills the warm caches (and the OS file cache) untimed
-        _run_worker({**base, "max_new_tokens": max(lengths), "patch": config.patch}, warm)
+        run_worker({**base, "max_new_tokens": max(lengths), "patch": config.patch}, warm)
         if progress:
             progress(f"filled caches: {config.name}")
     for caches in ("cold", "warm"):
@@ -106,7 +106,7 @@ def run_calls_bench(model_dir: str, gguf_file: str | None, prompts: list[str], p
     pairs = []
     runs = (("cold", _cache_dirs(Path(scratch) / "calls-cold")), ("warm", _cache_dirs(Path(scratch) / "warm")))
     for caches, dirs in runs:
-        result = _run_worker(spec, dirs)
+        result = run_worker(spec, dirs)
         for i, (stock, patched) in enumerate(zip(result["stock"], result["patched"]), start=1):
             pairs.append(CallPair(caches, i, stock["batch"], stock["prompt_tokens"], stock["max_new_tokens"],
                                   stock["seconds"], patched["seconds"], stock["token_ids"] == patched["token_ids"],
@@ -122,7 +122,7 @@ def format_calls_table(pairs: list[CallPair]) -> str:
     lines += [(p.caches, str(p.call), str(p.batch), str(p.prompt_tokens), str(p.max_new_tokens), f"{p.stock_s:.1f}",
                f"{p.patched_s:.1f}", f"{p.compile_s:.1f}", f"{p.patched_s - p.stock_s:+.1f}",
                "yes" if p.identical else "NO") for p in pairs]
-    return _markdown(lines)
+    return markdown_table(lines)
 
 
 def _cache_dirs(root: Path) -> dict[str, str]:
@@ -131,14 +131,14 @@ def _cache_dirs(root: Path) -> dict[str, str]:
 
 def _timed_run(spec: dict[str, Any], dirs: dict[str, str], caches: str, name: str) -> ColdRun:
     start = time.perf_counter()
-    result = _run_worker(spec, dirs)
+    result = run_worker(spec, dirs)
     total = time.perf_counter() - start
     return ColdRun(caches=caches, config=name, max_new_tokens=spec["max_new_tokens"], tokens=result["tokens"],
                    total_s=total, import_s=result["import_s"], load_s=result["load_s"], patch_s=result["patch_s"],
                    generate_s=result["generate_s"], ttft_s=result["ttft_s"], token_ids=result["token_ids"])
 
 
-def _run_worker(spec: dict[str, Any], dirs: dict[str, str]) -> dict[str, Any]:
+def run_worker(spec: dict[str, Any], dirs: dict[str, str]) -> dict[str, Any]:
     env = {**os.environ, **dirs}
     done = subprocess.run([sys.executable, str(WORKER), json.dumps(spec)], capture_output=True, text=True, env=env,
                           timeout=1800)
@@ -193,7 +193,7 @@ def format_cold_table(runs: list[ColdRun]) -> str:
                       f"{r.patch_s:.1f}", f"{r.generate_s:.1f}", f"{r.ttft_s:.2f}",
                       f"{r.ttft_s - ref.ttft_s:+.2f} s" if ref else "-",
                       "-" if r.identical is None else ("yes" if r.identical else "NO")))
-    return _markdown(lines)
+    return markdown_table(lines)
 
 
 def format_break_even(runs: list[ColdRun]) -> str:
@@ -208,10 +208,10 @@ def format_break_even(runs: list[ColdRun]) -> str:
             extra = ("-", "-") if fit is None or stock_fit is None else (
                 f"{fit[0] - stock_fit[0]:+.1f}", f"{fit[1] / stock_fit[1]:.2f}x")
             lines.append((caches, config, text, *extra))
-    return _markdown(lines)
+    return markdown_table(lines)
 
 
-def _markdown(lines: list[tuple[str, ...]]) -> str:
+def markdown_table(lines: list[tuple[str, ...]]) -> str:
     lines = [tuple(cell.replace("|", "\\|") for cell in line) for line in lines]
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     out = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]

@@ -75,7 +75,7 @@ def matmul_ms(prof: torch.profiler.profile) -> float:
 
 def profile_step(model: nn.Module, config: str, context: int = 300, chunk: int = 1, steps: int = 8) -> StepProfile:
     """Median wall time of a ``chunk``-token step after a ``context``-token prompt, and its matmul time."""
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
     lm = CachedLM(model)
     with torch.no_grad():
@@ -102,7 +102,7 @@ def profile_step(model: nn.Module, config: str, context: int = 300, chunk: int =
 def profile_generate_step(model: nn.Module, config: str, context: int = 300, steps: int = 32) -> StepProfile:
     """The same, for a decode step inside ``generate`` (so through a patch's compiled step, if any): the
     difference between generating ``steps + 1`` tokens and one token, divided by ``steps``."""
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
 
     def run(new_tokens: int) -> None:

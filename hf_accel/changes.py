@@ -23,6 +23,7 @@ class Changes:
     def __init__(self) -> None:
         self._undos: list[Callable[[], None]] = []
         self._irreversible_on_commit: str | None = None
+        self._on_commit: list[Callable[[], None]] = []
         self.irreversible: str | None = None
 
     def __len__(self) -> int:
@@ -58,8 +59,15 @@ class Changes:
         quantized model no longer needs); afterwards ``unpatch`` refuses with ``reason``."""
         self._irreversible_on_commit = reason
 
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once patch() has succeeded (e.g. free what the verification probe filled)."""
+        self._on_commit.append(fn)
+
     def commit(self) -> None:
         """Called once patch() has succeeded."""
+        for fn in self._on_commit:
+            fn()
+        self._on_commit.clear()
         if self._irreversible_on_commit is not None:
             self._undos.clear()
             self.mark_irreversible(self._irreversible_on_commit)

@@ -10,7 +10,7 @@ import platform
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="start-up instead: a short script in fresh processes, stock and patched, with empty then "
                             "warm caches; total time, time to first token and the break-even length")
     bench.add_argument("--lengths", default="32,128,512", help="with --cold: comma-separated max_new_tokens")
+    bench.add_argument("--memory", action="store_true",
+                       help="peak resident memory instead: each configuration (stock, patch(model), each --patch) "
+                            "in a fresh process over the same 20 calls of mixed batch sizes and lengths")
     bench.set_defaults(func=cmd_bench)
 
     attn = sub.add_parser("bench-attention", help="prefill attention per backend: time and extra memory")
@@ -222,6 +225,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.cold:
         return _bench_cold(args)
+    if args.memory:
+        return _bench_memory(args)
     if args.max_new_tokens < 1 or args.repeat < 1:
         raise CLIError("--max-new-tokens and --repeat must be at least 1")
     prompts = load_prompts(args.prompts)
@@ -258,11 +263,50 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fresh_process_setup(args: argparse.Namespace) -> tuple[list[Any], str, str | None]:
+    """The configurations (stock, patch(model), each --patch) and the model a fresh-process bench loads."""
+    from .bench_cold import ColdConfig
+
+    configs = [ColdConfig("stock", None), ColdConfig("patch(model)", {})]
+    configs += [ColdConfig(c.name.removeprefix("hf_accel "), c.patch_kwargs) for c in map(_patch_config, args.patch)]
+    if args.model is None:
+        gguf = default_model_file()
+        return configs, str(gguf.parent), gguf.name
+    path = Path(args.model)
+    model_dir, gguf_file = (str(path.parent), path.name) if path.suffix == ".gguf" else (str(path), args.gguf_file)
+    return configs, model_dir, gguf_file
+
+
+def _bench_memory(args: argparse.Namespace) -> int:
+    import json
+
+    from tqdm.auto import tqdm
+
+    from .bench_memory import MIXED_CALLS, format_memory_table, memory_rows, run_memory_bench
+
+    configs, model_dir, gguf_file = _fresh_process_setup(args)
+    prompts = [p.prompt for p in load_prompts(args.prompts)]
+    bar = tqdm(total=len(configs), desc="bench --memory", unit="process")
+
+    def progress(label: str) -> None:
+        bar.set_postfix_str(label[:60])
+        bar.update(1)
+
+    with tempfile.TemporaryDirectory(prefix="hf_accel_memory_") as scratch:
+        runs = run_memory_bench(model_dir, gguf_file, prompts, configs, scratch, progress=progress)
+    bar.close()
+    print(f"\nPeak resident memory, each configuration in a fresh process, over the same {len(MIXED_CALLS)} "
+          f"calls (batch sizes 1-4, 32-128 new tokens):\n\n{format_memory_table(runs)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(memory_rows(runs), indent=2))
+    return 0
+
+
 def _bench_cold(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from .bench_cold import (ColdConfig, format_break_even, format_calls_table, format_cold_table, run_calls_bench,
-                             run_cold_bench, write_cold_json)
+    from .bench_cold import (format_break_even, format_calls_table, format_cold_table, run_calls_bench, run_cold_bench,
+                             write_cold_json)
 
     try:
         lengths = [int(n) for n in args.lengths.split(",")]
@@ -270,14 +314,7 @@ def _bench_cold(args: argparse.Namespace) -> int:
         raise CLIError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
     if len(lengths) < 2 or min(lengths) < 1:
         raise CLIError("--lengths needs at least two lengths, each at least 1 (the break-even is a fitted line)")
-    configs = [ColdConfig("stock", None), ColdConfig("patch(model)", {})]
-    configs += [ColdConfig(c.name.removeprefix("hf_accel "), c.patch_kwargs) for c in map(_patch_config, args.patch)]
-    if args.model is None:
-        gguf = default_model_file()
-        model_dir, gguf_file = str(gguf.parent), gguf.name
-    else:
-        path = Path(args.model)
-        model_dir, gguf_file = (str(path.parent), path.name) if path.suffix == ".gguf" else (str(path), args.gguf_file)
+    configs, model_dir, gguf_file = _fresh_process_setup(args)
     prompts = load_prompts(args.prompts)
     bar = tqdm(total=len(configs) * (1 + 2 * len(lengths)) + 2, desc="bench --cold", unit="process")
 

@@ -7,7 +7,9 @@ and prints its timings as one JSON line. ``SPEC`` is a JSON object: ``model_dir`
 
 With ``"calls"`` in ``SPEC`` (a list of ``[max_new_tokens, [prompt, ...]]``, one prompt per row) it is a
 long-running process instead: the calls one after another on the stock model, then the same calls after
-``patch``, each timed, side by side.
+``patch``, each timed, side by side. With ``"memory": true`` as well, the model runs the calls once, stock or
+patched (``patch``), and the process's peak resident memory is read after loading, after patching, after
+the first call and after the last (``hf-accel bench --memory``).
 """
 
 import time
@@ -55,6 +57,44 @@ def main(spec: dict) -> dict:
             "token_ids": out[0, inputs["input_ids"].shape[-1]:].tolist()}
 
 
+def _resident_mb(field: str) -> float:
+    """``VmHWM`` (peak since start) or ``VmRSS`` (now) of this process, in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def memory(spec: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": spec["gguf_file"]} if spec.get("gguf_file") else {}
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], **kwargs)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, **kwargs).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    peaks = {"load_mb": _resident_mb("VmHWM"), "resident_after_load_mb": _resident_mb("VmRSS")}
+    held = None
+    if spec["patch"] is not None:
+        import hf_accel
+
+        model = hf_accel.patch(model, **spec["patch"])
+    peaks["patch_mb"] = _resident_mb("VmHWM")
+    for i, (max_new_tokens, prompts) in enumerate(spec["calls"]):
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=False) for p in prompts]
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        if i == 0:
+            peaks["first_call_mb"] = _resident_mb("VmHWM")
+    if spec["patch"] is not None:
+        held = hf_accel.report(model).memory_bytes
+    return {**peaks, "last_call_mb": _resident_mb("VmHWM"), "report_held_bytes": held}
+
+
 def calls(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -99,5 +139,5 @@ def calls(spec: dict) -> dict:
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    result = calls(spec) if "calls" in spec else main(spec)
+    result = memory(spec) if spec.get("memory") else calls(spec) if "calls" in spec else main(spec)
     print("HF_ACCEL_COLD_RESULT " + json.dumps(result), flush=True)

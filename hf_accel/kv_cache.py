@@ -102,6 +102,10 @@ class PreallocatedLayer(DynamicLayer):
         if self.is_initialized:
             self._expose()
 
+    def release(self) -> None:
+        self._stores, self.length, self.is_initialized = None, 0, False
+        self.keys = self.values = None
+
     def stored_bytes_per_token(self) -> int:
         """Bytes one position takes in this layer, keys and values, all rows."""
         if self._stores is None:
@@ -143,8 +147,18 @@ class PreallocatedCache(Cache):
         for layer in self.layers:
             layer.reset()
 
+    def release(self) -> None:
+        """Free the buffers; the next call allocates what it needs again."""
+        for layer in self.layers:
+            layer.release()
+
     def bytes_per_token(self) -> int:
         return sum(layer.stored_bytes_per_token() for layer in self.layers)
+
+    def stored_bytes(self) -> int:
+        """Bytes the cache holds now (its allocated capacity, every layer)."""
+        return sum(b.numel() * b.element_size() for layer in self.layers if layer._stores
+                   for parts in layer._stores.values() for b in parts)
 
 
 class RollbackStaticLayer(StaticLayer):

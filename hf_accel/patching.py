@@ -131,6 +131,8 @@ def report(model: Any) -> PatchReport:
     target = unwrap_model(model)
     state = get_state(target)
     if state is not None:
+        for feature, items in state.memory.items():
+            state.report[feature].memory = {item: int(bytes_now()) for item, bytes_now in items.items()}
         return state.report
     empty = _empty_report(target)
     for feat in empty.features.values():

@@ -32,7 +32,11 @@ def linear_children(model: nn.Module) -> Iterator[Child]:
 
 
 def weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight as ``[out_features, in_features]`` and the bias, whichever layout the module stores."""
+    """The weight as ``[out_features, in_features]`` and the bias, whichever layout the module stores (a layer
+    a backend rewrote, holding its weight in another form, gives it through ``dense_weight()``)."""
+    dense = getattr(module, "dense_weight", None)
+    if callable(dense):
+        return dense(), module.bias
     weight = module.weight.detach()
     return (weight.t() if isinstance(module, Conv1D) else weight), module.bias
 
@@ -109,6 +113,13 @@ def selected_linears(context: PatchContext) -> list[Child]:
     return _select(context, linear_children(context.model), default=lambda module: module is not head)
 
 
+def quantized_bytes(context: PatchContext, bytes_per_weight: float) -> int:
+    """Estimated bytes the quantized copies of the selected layers take (``bytes_per_weight``: codes and
+    scales per weight), for :attr:`Backend.memory_needed`: the originals stay until patch() succeeds."""
+    chosen = [*selected_linears(context), *selected_embeddings(context)]
+    return int(sum(module.weight.numel() for _, _, _, module in chosen) * bytes_per_weight)
+
+
 def selected_embeddings(context: PatchContext) -> list[Child]:
     """Plain ``nn.Embedding`` tables named by an ``include`` pattern (never by default); subclasses that
     change the lookup (e.g. scaled embeddings) are left alone."""
@@ -135,8 +146,13 @@ def record_quantization(context: PatchContext, scheme: str) -> None:
     succeeded. Set ``context.report.weight_bytes_before`` before replacing anything."""
     if not context.report.modules:
         raise ValueError("no module matched; check the include=/skip= patterns")
-    context.report.weight_bytes_after = tensor_bytes(context.model)
+    context.report.weight_bytes_after = after = tensor_bytes(context.model)
     context.report.details["scheme"] = scheme
+    quantized = sum(tensor_bytes(context.model.get_submodule(name)) for name in context.report.modules)
+    originals = context.report.weight_bytes_before - (after - quantized)  # what the replaced modules held
+    context.account_memory("quantized weights", lambda: quantized)
+    if not context.option("keep_original", False):
+        context.account_memory("original weights freed", lambda: -originals)
     if not context.option("keep_original", False):
         context.changes.forget_on_commit(
             f"its weights were quantized ({scheme}) and the originals freed; "

@@ -45,6 +45,9 @@ class FeatureReport:
     weight_bytes_after: int | None = None
     verification: Verification | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    #: Bytes this feature holds beyond the unpatched model, by what holds them (negative: freed), as of the
+    #: last ``hf_accel.report(model)``.
+    memory: dict[str, int] = field(default_factory=dict)
 
     def skip(self, backend: str, reason: str) -> None:
         self.skipped.append({"backend": backend, "reason": reason})
@@ -76,10 +79,16 @@ class PatchReport:
         """JSON-serializable; the feature names are top-level keys."""
         out: dict[str, Any] = {name: self.features[name].to_dict() for name in FEATURE_NAMES}
         out["model"] = {"class": self.model, "device": self.device, "dtype": self.dtype}
+        out["memory_bytes"] = self.memory_bytes
         return out
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes the patch holds beyond the unpatched model, every feature together (freed bytes subtracted)."""
+        return sum(sum(feat.memory.values()) for feat in self.features.values())
 
     def __repr__(self) -> str:
         chosen = ", ".join(f"{n}={self.features[n].backend}" for n in FEATURE_NAMES)
@@ -100,6 +109,9 @@ class PatchReport:
                     f"{feat.weight_bytes_after / 2**20:.1f} MiB over {len(feat.modules)} modules"
                 )
             lines += [f"  {name}: {key} = {_short(value)}" for key, value in feat.details.items()]
+            lines += [f"  {name}: memory: {item} {_mib(held)}" for item, held in feat.memory.items()]
+        lines.append(f"memory held beyond the unpatched model: {_mib(self.memory_bytes)} (compiled graphs' own "
+                     "buffers and allocator overhead not counted)")
         return "\n".join(lines)
 
 
@@ -109,6 +121,10 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     out = [fmt.format(*rows[0]).rstrip(), "  ".join("-" * w for w in widths)]
     out += [fmt.format(*row).rstrip() for row in rows[1:]]
     return out
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:+.1f} MiB"
 
 
 def _short(value: Any) -> str:

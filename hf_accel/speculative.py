@@ -613,9 +613,15 @@ class SpeculativeRunner:
         self.stats = SpeculativeStats()
         self._logged: set[str] = set()
         self._compiled: dict[int, Any] = {}  # id(draft model) -> its compiled forward (the target uses the patch's)
+        #: The models the drafters run (set by ``install_runner``).
+        self.drafts: tuple[torch.nn.Module, ...] = ()
 
     def __repr__(self) -> str:
         return f"<SpeculativeRunner k={self.draft_length.k} {self.stats.as_details()}>"
+
+    def cache_bytes(self) -> int:
+        """Bytes the draft models' compiled steps keep in their caches (the target's are the compile report's)."""
+        return sum(step.cache_bytes() for step in self._compiled.values() if step is not None)
 
     def __call__(self, call: Any) -> Any:
         plan = plan_call(call.model, call.args, call.kwargs)
@@ -687,7 +693,11 @@ def object_request_problem(context: Any) -> str | None:
     return f"speculative={type(context.request).__name__} asks for a draft-model backend"
 
 
-def install_runner(context: Any, make_drafter: DrafterFactory, draft_length: DraftLength) -> None:
-    """What a speculative backend's ``apply`` does: route this model's generate calls through the loop."""
+def install_runner(context: Any, make_drafter: DrafterFactory, draft_length: DraftLength,
+                   drafts: tuple[torch.nn.Module, ...] = ()) -> None:
+    """What a speculative backend's ``apply`` does: route this model's generate calls through the loop.
+    ``drafts``: the models its drafters run (a quantized copy the backend made, a user's draft model)."""
     runner = SpeculativeRunner(make_drafter, context.report.details, draft_length)
+    runner.drafts = drafts
     context.changes.setattr(context.state, "runner", runner)
+    context.account_memory("draft models' static caches", runner.cache_bytes)

@@ -49,6 +49,8 @@ class PatchState:
     depth: int = 0
     #: Run at the start of each generate call: backends' checks that what they prepared still matches.
     call_checks: list[Callable[[], None]] = field(default_factory=list)
+    #: feature -> what its backend holds -> bytes now (negative: what it freed), read at each ``report``.
+    memory: dict[str, dict[str, Callable[[], int]]] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return f"<PatchState of {type(self.model).__name__}: {len(self.changes)} backends applied>"

@@ -30,14 +30,17 @@ from hf_accel.compile_policy import CompilePolicy
 from hf_accel.compiled_step import BF16_CHECK_TOLERANCE, CHECK_TOLERANCE, CompiledDecodeStep
 from hf_accel.kv_cache import PreallocatedLayer
 from hf_accel.regions import decoder_layers, is_routed
-from hf_accel_plugins.compile_onednn import pack_linears
+from hf_accel_plugins.compile_onednn import pack_linears, packing_problem
 
 
 def install(context: PatchContext) -> None:
     model, state = context.model, context.state
     on_cuda = state.device.type == "cuda"
-    if context.option("prepack", True) and _can_prepack(context):
-        pack_linears(context)
+    if context.option("prepack", True):
+        problem = packing_problem(context)
+        if problem is None:
+            pack_linears(context)
+        context.report.details["prepacked"] = True if problem is None else f"no: {problem}"
     mode = context.option("compile_mode") or ("reduce-overhead" if on_cuda else None)
     quantized = state.report["quantize"].backend is not None
     low_precision = quantized or state.dtype in (torch.float16, torch.bfloat16)
@@ -51,6 +54,7 @@ def install(context: PatchContext) -> None:
     step.install(context.changes)
     context.changes.on_undo(step.release)
     context.changes.setattr(state, "compiled_step", step)
+    context.account_memory("compiled step's static caches", step.cache_bytes)
     context.changes.setattr(model, "get_compiled_call", step.get_compiled_call)
 
 
@@ -63,11 +67,6 @@ def _store(setting: object) -> CompileStore | None:
     if setting in (None, False):
         return None
     return CompileStore(None if setting is True else str(setting))
-
-
-def _can_prepack(context: PatchContext) -> bool:
-    return (context.state.device.type == "cpu" and context.state.dtype == torch.float32
-            and torch.backends.mkldnn.is_available())
 
 
 def why_unavailable() -> str | None:
@@ -122,6 +121,7 @@ def hf_accel_register_backends(register):
         probe="forward",  # checks the prepacked weights; each compiled graph is checked against eager on first use
         priority=20,
         options={"prepack": Option.flag(True),
+                 "keep_original": Option.flag(False),
                  "compile_mode": Option.choice(None, "default", "reduce-overhead", "max-autotune",
                                                "max-autotune-no-cudagraphs"),
                  "cache_bucket": Option.integer(256, maximum=1 << 16),

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_accel import Backend, Capabilities, PatchContext, hookimpl
+from hf_accel import Backend, Capabilities, Option, PatchContext, PatchError, hookimpl
+from hf_accel.memory import shortfall
 from hf_accel.quantize import children_of_type
 
 #: The row count oneDNN is told to expect when it packs: measured fastest for 1-16 rows on 2 cores.
@@ -53,6 +54,8 @@ def packed_copy(weight: torch.Tensor, pack_for_rows: int = PACK_FOR_ROWS) -> tor
     """The packed copy of ``weight``, packed again if the weight changed since (see :class:`PackedWeight`)."""
     entry = _PACKED.get(id(weight))
     if entry is None or not entry.current(weight):
+        if weight.shape[-1] == 0:  # a handle whose packed copy went with an unpatch
+            raise PatchError("this oneDNN-packed layer was unpatched; call the module unpatch handed back")
         entry = _pack(weight, pack_for_rows, first=entry is None)
     return entry.packed
 
@@ -67,6 +70,17 @@ def _pack(weight: torch.Tensor, pack_for_rows: int, first: bool) -> PackedWeight
     if first:  # the old copy of a repacked weight is replaced above; a dead tensor's copy goes here
         weakref.finalize(weight, _PACKED.pop, id(weight), None)
     return entry
+
+
+def _hold(handle: torch.Tensor, packed: torch.Tensor) -> None:
+    """Make ``packed`` the copy the product uses for ``handle`` (a layer whose plain weight was freed): never
+    compared with the handle, which holds no values."""
+    empty = handle.new_empty(0).long()
+    first = id(handle) not in _PACKED
+    _PACKED[id(handle)] = PackedWeight(packed, handle.data_ptr(), handle.shape, _version(handle), empty, empty,
+                                       handle.new_empty(0))
+    if first:
+        weakref.finalize(handle, _PACKED.pop, id(handle), None)
 
 
 def drop_if_edited(weight: torch.Tensor) -> None:
@@ -111,39 +125,136 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose forward runs on a oneDNN-packed copy of its weight.
 
-    Holds the original ``weight`` and ``bias`` parameters (same objects: state_dict keys and tied weights are
-    unchanged) and packs again when the weight changes. The original module is kept for ``unpatch`` without
-    them, so a weight replaced while patched is not held twice. Falls back to ``F.linear`` when autograd needs
-    the graph.
+    By default the packed copy *replaces* the weight: the plain one is freed (its Parameter object is kept
+    empty, and refilled from the packed copy, exactly, on ``unpatch``), so the layer costs no more memory than
+    before. ``state_dict()`` gives the plain weight under the usual key (unpacked for the call) and
+    ``load_state_dict`` packs what it is given; reading ``.weight`` raises with what to do instead.
+
+    With ``keep_original=True``, or where the weight is shared with another module (a head tied to the
+    embeddings), it holds the original Parameter as ``weight`` beside the packed copy and packs again when
+    that weight changes. Falls back to ``F.linear`` when autograd needs the graph.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, keep_weight: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
         self.bias = linear.bias
-        packed_copy(self.weight)
-        self.original = [linear]  # a list, so the original is not registered as a submodule
-        linear.weight, linear.bias = None, None  # given back by hand_back
+        # Lists, so that neither is registered: the original module, and (when freed) its weight Parameter, which
+        # goes back at unpatch refilled.
+        self.original, self.original_weight = [linear], [] if keep_weight else [linear.weight]
+        weight = linear.weight
+        linear.weight, linear.bias = None, None
+        if keep_weight:
+            self.weight = weight
+            packed_copy(self.weight)
+        else:
+            # What the product and its compiled graphs are handed in place of the weight: no bytes, the weight's
+            # shape on its first dimension; its packed copy is found by its id.
+            self.register_buffer("packed_handle", weight.new_empty(self.out_features, 0), persistent=False)
+            _hold(self.packed_handle, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS))
+            weight.data = weight.data.new_empty(0)  # frees the plain weight's storage
+
+    @property
+    def holds_weight(self) -> bool:
+        """Whether a plain ``weight`` is held beside the packed copy."""
+        return "weight" in self._parameters
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight the product computes with, ``[out, in]``: the held one, or a plain copy of the packed one."""
+        if self.holds_weight:
+            return self.weight.detach()
+        return _PACKED[id(self.packed_handle)].packed.to_dense()
+
+    def packed_bytes(self) -> int:
+        entry = _PACKED.get(id(self.weight if self.holds_weight else self.packed_handle))
+        return 0 if entry is None else entry.packed.numel() * entry.packed.element_size()
+
+    def plain_bytes(self) -> int:
+        """What the plain weight takes (or took, before it was freed)."""
+        return self.in_features * self.out_features * 4
 
     def hand_back(self) -> nn.Linear:
-        """The original module, holding the weight and bias this one holds now (they may have been replaced
+        """The original module, holding the weight and bias this one computes with (they may have been replaced
         since the patch); the packed copy is dropped."""
         original = self.original[0]
-        original.weight, original.bias = self.weight, self.bias
-        forget(self.weight)
+        if self.holds_weight:
+            original.weight = self.weight
+            forget(self.weight)
+        else:
+            weight = self.original_weight[0]
+            weight.data = self.dense_weight()
+            original.weight = weight
+            forget(self.packed_handle)
+        original.bias = self.bias
         return original
 
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight":
+                raise
+        raise AttributeError(
+            "hf_accel packed this layer's weight into oneDNN's layout and freed the plain copy, to save memory: "
+            "use .dense_weight() for a copy (state_dict() holds it too), load_state_dict() or assign "
+            ".weight to change it, or patch(..., keep_original=True) to keep the plain weight") from None
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight" and isinstance(value, torch.Tensor) and "packed_handle" in self._buffers:
+            forget(self.packed_handle)  # the assigned weight is held from now on, and packed again when it changes
+            del self._buffers["packed_handle"]
+            self.original_weight.clear()
+        super().__setattr__(name, value)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if not self.holds_weight:  # first: nn.Linear's order is weight, then bias
+            destination[prefix + "weight"] = self.dense_weight()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "weight"
+        if not self.holds_weight:
+            if key not in state_dict:
+                missing_keys.append(key)
+            elif tuple(state_dict[key].shape) != (self.out_features, self.in_features):
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(state_dict[key].shape)}, the layer holds "
+                                  f"{(self.out_features, self.in_features)}")
+            else:
+                value = state_dict[key].detach().to(torch.float32)
+                _hold(self.packed_handle, torch.ops.mkldnn._reorder_linear_weight(value.contiguous(), PACK_FOR_ROWS))
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _apply(self, fn, recurse=True):
+        refuse_conversion(fn)
+        return super()._apply(fn, recurse)
+
     def extra_repr(self) -> str:
+        held = "weight held beside it" if self.holds_weight else "plain weight freed"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                "oneDNN-packed")
+                f"oneDNN-packed ({held})")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return F.linear(x, self.weight, self.bias)
+        key = self.weight if self.holds_weight else self.packed_handle
+        if torch.is_grad_enabled() and (x.requires_grad or (self.holds_weight and self.weight.requires_grad)):
+            return F.linear(x, self.weight if self.holds_weight else self.dense_weight(), self.bias)
         if torch.compiler.is_compiling():
-            return torch.ops.hf_accel.onednn_linear(x, self.weight, self.bias)
-        return onednn_linear(x, self.weight, self.bias)
+            return torch.ops.hf_accel.onednn_linear(x, key, self.bias)
+        return onednn_linear(x, key, self.bias)
+
+
+def refuse_conversion(fn) -> None:
+    """Raise before ``model.to()``, ``.half()``, ``.cuda()``... (``Module._apply(fn)``) would convert a
+    packed layer: its copy is float32 in oneDNN's CPU layout."""
+    probe = torch.empty(0)
+    converted = fn(probe)
+    if converted is not probe and (converted.dtype, converted.device) != (probe.dtype, probe.device):
+        raise PatchError("this model's Linear layers hold oneDNN-packed float32 weights for the CPU; call "
+                         "hf_accel.unpatch(model) before changing its dtype or device, then patch it again",
+                         backend="onednn_prepack", feature="compile")
 
 
 def linear_children(model: nn.Module):
@@ -151,17 +262,60 @@ def linear_children(model: nn.Module):
     return children_of_type(model, (nn.Linear,))
 
 
+def shared_weights(model: nn.Module) -> set[int]:
+    """ids of Parameters that more than one module holds (a head tied to the embeddings)."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                holders[id(param)] = holders.get(id(param), 0) + 1
+    return {key for key, count in holders.items() if count > 1}
+
+
 def pack_linears(context: PatchContext) -> None:
     packed: list[PackedLinear] = []
     # Registered first, so that a patch failing half-way gives every original its weights back (undo runs
     # newest first: this runs last, after the modules are back in place).
     context.changes.on_undo(lambda: [module.hand_back() for module in packed])
+    keep, shared = context.option("keep_original", False), shared_weights(context.model)
     for parent, name, qualified, linear in list(linear_children(context.model)):
-        packed.append(PackedLinear(linear))
+        # One at a time: each plain weight is freed as soon as its packed copy exists.
+        packed.append(PackedLinear(linear, keep_weight=keep or id(linear.weight) in shared))
         context.changes.set_submodule(parent, name, packed[-1])
         context.report.modules.append(qualified)
-    context.before_each_call(lambda: [drop_if_edited(module.weight) for module in packed])
+    context.before_each_call(lambda: [drop_if_edited(module.weight) for module in packed if module.holds_weight])
+    # Refused for the whole model before any layer is converted (each packed layer refuses too, when called
+    # on a submodule).
+    convert = context.model._apply
+    context.changes.setattr(context.model, "_apply",
+                            lambda fn, recurse=True: (refuse_conversion(fn), convert(fn, recurse))[1])
     context.report.details["packed_linears"] = len(context.report.modules)
+    context.report.details["plain_weights_kept"] = sum(module.holds_weight for module in packed)
+    context.account_memory("oneDNN-packed weights", lambda: sum(module.packed_bytes() for module in packed))
+    context.account_memory("plain weights freed", lambda: -sum(module.plain_bytes() for module in packed
+                                                               if not module.holds_weight))
+
+
+def packing_bytes(model: nn.Module) -> int:
+    """Bytes packing adds: a copy of each weight something else also holds (a tied head), and, while packing,
+    the largest one (each plain weight is freed once its copy exists)."""
+    linears = [linear for _, _, _, linear in linear_children(model)]
+    if not linears:
+        return 0
+    shared = shared_weights(model)
+    kept = sum(linear.weight.nbytes for linear in linears if id(linear.weight) in shared)
+    return kept + max(linear.weight.nbytes for linear in linears)
+
+
+def packing_problem(context: PatchContext) -> str | None:
+    """Why the weights cannot be packed here (no oneDNN, not fp32 on the CPU, not enough free memory), or None."""
+    if why_unavailable():
+        return why_unavailable()
+    if context.device.type != "cpu" or context.dtype != torch.float32:
+        return "packs float32 weights on the CPU"
+    keep = context.option("keep_original", False)
+    return shortfall(context.device, sum(lin.weight.nbytes for _, _, _, lin in linear_children(context.model))
+                     if keep else packing_bytes(context.model))
 
 
 def why_unavailable() -> str | None:
@@ -186,5 +340,7 @@ def hf_accel_register_backends(register):
         why_unsuitable=why_unsuitable,
         capabilities=Capabilities(devices=("cpu",), dtypes=(torch.float32,)),
         priority=10,
+        options={"keep_original": Option.flag(False)},
+        memory_needed=lambda context: packing_bytes(context.model),
         description="Linear layers on prepacked oneDNN fp32 weights (exact arithmetic, ~1.7x faster matmuls)",
     ))

@@ -25,6 +25,10 @@ def install(context: PatchContext, layer_class: type[PreallocatedLayer] = Preall
     capacity = int(context.option("cache_capacity", INITIAL_CAPACITY))
     cache = PreallocatedCache(context.model.config, capacity, layer_class)
     context.changes.setattr(context.state, "kv_cache", cache)
+    context.account_memory("KV cache", cache.stored_bytes)
+    # The verification probe filled it; calls that use it (those the compiled step does not serve) allocate
+    # what they need.
+    context.changes.on_commit(cache.release)
     context.report.details["initial_capacity_tokens"] = capacity
     if layer_class is not PreallocatedLayer:
         context.report.details.update(int8_cache_cost(context.model, cache))

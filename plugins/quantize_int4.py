@@ -16,8 +16,8 @@ from torch import nn
 
 from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
 from hf_accel.quantize import (
-    SELECTION_OPTIONS, SavedAsFloat, record_quantization, selected_embeddings, selected_linears, tensor_bytes,
-    weight_and_bias,
+    SELECTION_OPTIONS, SavedAsFloat, quantized_bytes, record_quantization, selected_embeddings, selected_linears,
+    tensor_bytes, weight_and_bias,
 )
 
 logger = logging.getLogger(__name__)
@@ -190,5 +190,6 @@ def hf_accel_register_backends(register):
         tolerance=0.5,
         variants=("int4",),
         options={**SELECTION_OPTIONS, "group_size": Option.choice(*GROUP_SIZES)},
+        memory_needed=lambda context: quantized_bytes(context, 0.5 + 4 / 32),  # codes; bf16 scale, offset per 32
         description="int4 weights in groups of 32 (asymmetric), bf16 activations, aten's int4 CPU kernel",
     ))

@@ -15,8 +15,8 @@ from torch import nn
 
 from hf_accel import Backend, Capabilities, PatchContext, hookimpl
 from hf_accel.quantize import (
-    SELECTION_OPTIONS, SavedAsFloat, record_quantization, selected_embeddings, selected_linears, tensor_bytes,
-    weight_and_bias,
+    SELECTION_OPTIONS, SavedAsFloat, quantized_bytes, record_quantization, selected_embeddings, selected_linears,
+    tensor_bytes, weight_and_bias,
 )
 
 
@@ -130,5 +130,6 @@ def hf_accel_register_backends(register):
         tolerance=0.1,
         variants=("int8",),
         options=SELECTION_OPTIONS,
+        memory_needed=lambda context: quantized_bytes(context, 1.0),
         description="int8 per-channel weights, bf16 activations, aten's int8 weight-only CPU kernel",
     ))

@@ -19,7 +19,7 @@ import torch
 from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
 from hf_accel.speculative import Draft, DraftLength, SelfDrafter, SpeculativeLoop, install_runner
 from hf_accel_plugins.quantize_int4 import kernel_problem
-from hf_accel_plugins.speculative_model import SELF_DRAFTS, quantized_copy, self_draft_problem, vocab_size
+from hf_accel_plugins.speculative_model import SELF_DRAFTS, draft_bytes, self_draft, self_draft_problem, vocab_size
 from hf_accel_plugins.speculative_ngram import lookup
 
 #: The shortest n-gram match the lookup extends a draft from; single tokens predicted poorly.
@@ -77,13 +77,14 @@ def _with_point_masses(probs: torch.Tensor | None, tokens: torch.Tensor, model_w
 
 
 def install(context: PatchContext) -> None:
-    draft = quantized_copy(context.model, bits=4)
+    draft = self_draft(context, bits=4)
     vocab = vocab_size(context.model)
     max_ngram = int(context.option("ngram_size", 3))
     counts = dict.fromkeys(("model_drafted", "model_accepted", "lookup_drafted", "lookup_accepted"), 0)
     length = DraftLength(k=4, low=1, high=8, extra=EXTENSION)
     install_runner(context, lambda model, config: ModelThenLookupDrafter(SelfDrafter(draft, config, vocab),
-                                                                         max_ngram, counts, length.extra), length)
+                                                                         max_ngram, counts, length.extra), length,
+                   drafts=(draft,))
     context.report.details["draft"] = f"an {SELF_DRAFTS[4]}, extended by prompt lookup"
     context.report.details["sources"] = counts
 
@@ -100,5 +101,6 @@ def hf_accel_register_backends(register):
         probe="generate",
         priority=15,
         options={"ngram_size": Option.integer(3, maximum=64)},
+        memory_needed=lambda context: draft_bytes(context, 4),
         description="an int4 copy of the target drafts, prompt lookup extends its drafts",
     ))

@@ -43,11 +43,17 @@ def test_packed_model_matches_stock_logits_and_greedy_tokens(tiny_model):
 
 
 def test_training_still_backpropagates_through_packed_linears(llama):
-    hf_accel.patch(llama, compile="onednn_prepack", speculative=None)
+    """With keep_original=True the plain weights stay Parameters and get gradients; by default they are freed
+    (not Parameters any more), and gradients still flow to everything else."""
+    hf_accel.patch(llama, compile="onednn_prepack", speculative=None, keep_original=True)
     ids, mask = left_padded_batch(llama, (5,))
-    loss = llama(input_ids=ids, labels=ids).loss
-    loss.backward()
+    llama(input_ids=ids, labels=ids).loss.backward()
     assert llama.model.layers[0].mlp.up_proj.weight.grad is not None
+    hf_accel.unpatch(llama)
+    llama.zero_grad()
+    hf_accel.patch(llama, compile="onednn_prepack", speculative=None)
+    llama(input_ids=ids, labels=ids).loss.backward()
+    assert llama.model.embed_tokens.weight.grad.abs().sum() > 0
 
 
 def test_onednn_refuses_non_fp32_models_with_a_reason():
@@ -184,7 +190,7 @@ def test_packed_linears_follow_weight_changes_after_patch(options):
     """After each change, the next generate call and direct forwards compute with the new weights, like an
     unpatched model given the same change; unpatch keeps the changed weights."""
     model, stock = make_tiny_model("llama"), make_tiny_model("llama")
-    hf_accel.patch(model, speculative=None, **options)
+    hf_accel.patch(model, speculative=None, keep_original=True, **options)
     assert isinstance(model.lm_head, PackedLinear)
     ids, mask = left_padded_batch(model)
     for name, change in WEIGHT_CHANGES.items():
@@ -212,7 +218,7 @@ def test_a_weight_reassigned_through_data_is_repacked_on_direct_forwards_too():
     """No generate call in between: the product itself notices new storage, including storage at an address
     a freed one had (PEFT's safe merge and unmerge assign .data back and forth)."""
     model, stock = make_tiny_model("llama"), make_tiny_model("llama")
-    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None, keep_original=True)
     ids, mask = left_padded_batch(model)
     originals = [m.lm_head.weight.data for m in (model, stock)]
     with torch.no_grad():
@@ -226,7 +232,7 @@ def test_a_weight_reassigned_through_data_is_repacked_on_direct_forwards_too():
 
 def test_replaced_weights_leave_no_packed_copies_behind():
     model = make_tiny_model("llama")
-    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None, keep_original=True)
     ids, mask = left_padded_batch(model)
     linears = sum(isinstance(m, PackedLinear) for m in model.modules())
     assert packed_copies_of(model) == linears
@@ -265,3 +271,72 @@ def test_a_model_made_in_inference_mode_can_be_prepacked():
     with torch.inference_mode():
         assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False),
                            expected)
+
+
+def test_packing_frees_the_plain_weights_and_unpatch_refills_the_same_parameters():
+    """The packed copy replaces the weight: the plain one's storage is freed, the state dict still holds the
+    exact values, and unpatch gives the same Parameter objects back with the same values."""
+    model = make_tiny_model("llama")
+    before = state_dict_copy(model)
+    params = {name: p for name, p in model.named_parameters() if name.endswith("proj.weight") or "lm_head" in name}
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    assert all(p.numel() == 0 for p in params.values())
+    assert hf_accel.report(model)["compile"].details["plain_weights_kept"] == 0
+    assert_same_state(before, state_dict_copy(model))
+    assert list(model.state_dict()) == list(before)  # same keys, same order
+    with pytest.raises(AttributeError, match="keep_original=True"):
+        model.model.layers[0].mlp.up_proj.weight  # noqa: B018
+    assert torch.equal(model.model.layers[0].mlp.up_proj.dense_weight(), before["model.layers.0.mlp.up_proj.weight"])
+    hf_accel.unpatch(model)
+    assert {name: p for name, p in model.named_parameters() if name in params} == params  # the same objects
+    assert_same_state(before, state_dict_copy(model))
+
+
+def test_a_tied_head_keeps_its_shared_weight_and_the_tie():
+    model = make_tiny_model("gemma2")
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    assert model.lm_head.holds_weight and model.lm_head.weight is model.get_input_embeddings().weight
+    assert hf_accel.report(model)["compile"].details["plain_weights_kept"] == 1
+
+
+FREED_WEIGHT_CHANGES = {
+    "load_state_dict": lambda m: m.load_state_dict(make_tiny_model("llama", seed=4).state_dict()),
+    "new Parameter": lambda m: setattr(m.model.layers[0].mlp.up_proj, "weight", torch.nn.Parameter(
+        torch.randn(128, 64), requires_grad=False)),
+}
+
+
+@pytest.mark.parametrize("change", sorted(FREED_WEIGHT_CHANGES))
+def test_weights_loaded_or_assigned_into_freed_layers_take_effect(change):
+    model, stock = make_tiny_model("llama"), make_tiny_model("llama")
+    hf_accel.patch(model, speculative=None)
+    ids, mask = left_padded_batch(model)
+    torch.manual_seed(0)
+    FREED_WEIGHT_CHANGES[change](model)
+    torch.manual_seed(0)
+    FREED_WEIGHT_CHANGES[change](stock)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False), expected)
+    assert_same_state(state_dict_copy(stock), state_dict_copy(model))
+    hf_accel.unpatch(model)
+    assert_same_state(state_dict_copy(stock), state_dict_copy(model))
+
+
+def test_a_wrong_shape_loaded_into_a_freed_layer_is_refused_by_name():
+    model = make_tiny_model("llama")
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    with pytest.raises(RuntimeError, match="size mismatch for model.layers.0.mlp.up_proj.weight"):
+        model.load_state_dict({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}, strict=False)
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.bfloat16),
+                                     lambda m: m.model.layers[0].half()], ids=["half", "to-bf16", "a-submodule"])
+def test_changing_a_packed_models_dtype_is_refused_before_anything_changes(convert):
+    model = make_tiny_model("llama")
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    before = state_dict_copy(model)
+    with pytest.raises(hf_accel.PatchError, match="unpatch"):
+        convert(model)
+    assert_same_state(before, state_dict_copy(model))
+    assert all(v.dtype == torch.float32 for v in model.state_dict().values() if v.is_floating_point())
+    assert model.float() is model and model.to("cpu") is model  # conversions that change nothing are fine

@@ -142,13 +142,13 @@ def test_int4_with_embeddings_and_head_meets_its_memory_and_quality_targets(smol
 
 def test_a_cold_bench_run_reports_its_timings_and_tokens():
     """One fresh process of ``hf-accel bench --cold``: the user's script, patched, timed from the inside."""
-    from hf_accel.bench_cold import _run_worker
+    from hf_accel.bench_cold import run_worker
     from hf_accel.models import default_model_file
 
     gguf = default_model_file()
     spec = {"model_dir": str(gguf.parent), "gguf_file": gguf.name, "prompt": "Say hello.", "max_new_tokens": 6,
             "patch": {}}
-    result = _run_worker(spec, {})
+    result = run_worker(spec, {})
     assert result["tokens"] == len(result["token_ids"]) and 1 <= result["tokens"] <= 6
     assert result["patch_s"] > 0 and 0 < result["ttft_s"] <= result["generate_s"] < result["in_process_s"]
 
@@ -172,3 +172,19 @@ def test_model_card_style_settings_and_stop_strings_keep_speculation_and_stocks_
         assert details["fallbacks_to_stock"] == 0 and details["accepted"] > 0
     finally:
         hf_accel.unpatch(model)
+
+
+def test_the_default_patch_keeps_peak_memory_within_a_fifth_of_stocks(tmp_path):
+    """Fresh processes, the embedded model, the same 4 calls of mixed batch sizes: issue #19's target (peak
+    resident memory with patch(model) at most 1.2x stock's)."""
+    from hf_accel.bench_cold import ColdConfig
+    from hf_accel.bench_memory import run_memory_bench
+    from hf_accel.models import default_model_file
+
+    gguf = default_model_file()
+    prompts = [p.prompt for p in first_of_each_category()]
+    stock, patched = run_memory_bench(str(gguf.parent), gguf.name, prompts,
+                                      [ColdConfig("stock", None), ColdConfig("patch(model)", {})], tmp_path,
+                                      calls=((48, 1), (32, 3), (48, 2), (32, 1)))
+    assert stock.report_held_bytes is None and patched.report_held_bytes > 0
+    assert patched.last_call_mb <= 1.2 * stock.last_call_mb

@@ -385,7 +385,7 @@ def test_a_self_draft_reads_what_every_source_drafted_from_the_target(monkeypatc
 
     # With the target itself as the "int4 copy", every model draft is accepted, unless the copy's cache missed
     # tokens that came from the lookup's extensions or the target (or got them in the wrong slots).
-    monkeypatch.setattr(speculative_combined, "quantized_copy", lambda model, bits: model)
+    monkeypatch.setattr(speculative_combined, "self_draft", lambda context, bits: context.model)
     model = make_tiny_model("llama")
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [0, 0, 9, 10, 9, 10, 9, 10, 9, 10],
                         [0, 0, 0, 0, 11, 12, 13, 11, 12, 13]])  # repeats, so the lookup extends drafts
