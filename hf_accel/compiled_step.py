@@ -41,7 +41,7 @@ from .changes import Changes
 from .compile_cache import CompileStore, Stored, fingerprint
 from .compile_policy import CompilePolicy, Decision
 from .generation import cache_keyword
-from .kv_cache import RollbackStaticCache
+from .kv_cache import BufferPool, RollbackStaticCache
 from .regions import (ACTIVE_RUN, FilledLayerView, LayerCacheView, Region, RegionRun, ShapeClass, cache_argument,
                       decoder_layers, hidden_states_of, is_routed, route, shape_class, side_inputs, tensors_in,
                       with_cache, without_cache)
@@ -150,6 +150,7 @@ class CompiledDecodeStep:
         self._stored: dict[ShapeClass, Stored | None] = {}  # what the store knows of each shape class
         self._fingerprints: dict[str, dict[str, Any]] = {}
         self._caches: OrderedDict[int, tuple[int, Cache]] = OrderedDict()  # batch size -> (positions, cache)
+        self._pool, self._pool_positions = BufferPool(), 0  # what the caches view; its largest batch x length
         self._installed: Changes | None = None
         self._call_start = 0.0  # eager seconds when the current call began
         self._call_forecast = 0.0  # eager seconds the current call is expected to take
@@ -209,27 +210,30 @@ class CompiledDecodeStep:
                 "compile_config": self.compile_config}
 
     def cache_for(self, batch_size: int, needed_length: int) -> Cache:
-        """The cache for this batch size, emptied; reallocated (one bucket larger) only when it is too short.
+        """The cache for this batch size, emptied; made anew (one bucket longer) only when it is too short.
         A :class:`~hf_accel.kv_cache.RollbackStaticCache`: full-length layers (the sliding window is applied
-        by the mask) that the speculative loop can crop and realign."""
+        by the mask) that the speculative loop can crop and realign. Every cache of this step views one
+        :class:`~hf_accel.kv_cache.BufferPool` (one call runs at a time), so the memory is that of the largest
+        batch times length asked for, not one cache per batch size."""
         length, cache = self._caches.pop(batch_size, (0, None))
         if cache is None or length < needed_length:
-            cache = None  # freed before the larger one is allocated
             length = -(-needed_length // self.bucket) * self.bucket
-            cache = RollbackStaticCache(self.model.config, max_cache_len=length)
+            if batch_size * length > self._pool_positions:  # the pool grows: let go of views of the old buffers
+                self._caches.clear()
+                self._pool_positions = batch_size * length
+            cache = RollbackStaticCache(self.model.config, max_cache_len=length, pool=self._pool)
             logger.debug("static cache for batch %d: %d positions", batch_size, length)
         else:
             cache.reset()
         self._caches[batch_size] = (length, cache)  # the most recently used, last
         while len(self._caches) > CACHES_KEPT:
             evicted, _ = self._caches.popitem(last=False)
-            logger.debug("static cache for batch %d freed (least recently used)", evicted)
+            logger.debug("static cache for batch %d forgotten (least recently used)", evicted)
         return cache
 
     def cache_bytes(self) -> int:
-        """Bytes the kept fixed-length caches hold (keys and values, every layer)."""
-        return sum(tensor.numel() * tensor.element_size() for _, cache in self._caches.values()
-                   for layer in cache.layers if layer.is_initialized for tensor in (layer.keys, layer.values))
+        """Bytes the caches' shared buffers hold (keys and values, every layer)."""
+        return self._pool.nbytes()
 
     def begin_call(self, new_tokens: int) -> None:
         """A ``generate`` call asking for up to ``new_tokens`` tokens starts: the compile policy weighs what the

@@ -3,6 +3,9 @@ exposes only its filled part (eager forwards), and a fixed-length one for compil
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
 
@@ -161,11 +164,58 @@ class PreallocatedCache(Cache):
                    for parts in layer._stores.values() for b in parts)
 
 
+class BufferPool:
+    """Flat buffers that one model's fixed-length caches take their keys and values from, as contiguous views.
+
+    A model runs one ``generate`` call at a time (under its lock) and each call resets and refills its cache,
+    so caches kept for other batch sizes can share memory: the pool holds, per layer and kind, the largest
+    buffer any cache asked for, not one per batch size. New buffers are zeroed (masked slots are multiplied
+    by zero attention weights, which must not meet a NaN bit pattern).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def take(self, key: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self._buffers.get((*key, dtype, device))
+        if buffer is None or buffer.numel() < numel:
+            buffer = None  # the old one goes before the larger one is allocated (unless a cache still views it)
+            buffer = self._buffers[(*key, dtype, device)] = torch.zeros(numel, dtype=dtype, device=device)
+        return buffer[:numel].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
 class RollbackStaticLayer(StaticLayer):
     """transformers' compileable ``StaticLayer`` (fixed-size buffers written at a tensor index), which can also
-    move its index back and permute positions per row, both in place, for speculative rollback."""
+    move its index back and permute positions per row, both in place, for speculative rollback. Given a
+    :class:`BufferPool` (and its index in the cache), it takes its buffers from the pool."""
 
     is_croppable = True
+
+    def __init__(self, max_cache_len: int, pool: BufferPool | None = None, index: int = 0) -> None:
+        super().__init__(max_cache_len)
+        self.pool, self.index = pool, index
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.pool is None:
+            return super().lazy_initialization(key_states, value_states)
+        self.device = key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        self.keys, self.values = (
+            self.pool.take((self.index, kind), (self.batch_size, self.num_heads, self.max_cache_len, dim),
+                           states.dtype, self.device)
+            for kind, states, dim in (("keys", key_states, self.k_head_dim), ("values", value_states,
+                                                                               self.v_head_dim)))
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not torch.compiler.is_compiling():  # as StaticLayer does: fixed addresses, for CUDA graphs
+            for tensor in (self.keys, self.values, self.cumulative_length):
+                torch._dynamo.mark_static_address(tensor)
+        self.is_initialized = True
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -202,9 +252,9 @@ class RollbackStaticCache(Cache):
         lm = CachedLM(model, cache)
     """
 
-    def __init__(self, config, max_cache_len: int) -> None:
+    def __init__(self, config, max_cache_len: int, pool: BufferPool | None = None) -> None:
         layers = config.get_text_config(decoder=True).num_hidden_layers
-        super().__init__(layers=[RollbackStaticLayer(max_cache_len) for _ in range(layers)])
+        super().__init__(layers=[RollbackStaticLayer(max_cache_len, pool, i) for i in range(layers)])
         self.max_cache_len = max_cache_len
 
     def reset(self) -> None:
