@@ -8,8 +8,9 @@ and prints its timings as one JSON line. ``SPEC`` is a JSON object: ``model_dir`
 With ``"calls"`` in ``SPEC`` (a list of ``[max_new_tokens, [prompt, ...]]``, one prompt per row) it is a
 long-running process instead: the calls one after another on the stock model, then the same calls after
 ``patch``, each timed, side by side. With ``"memory": true`` as well, the model runs the calls once, stock or
-patched (``patch``), and the process's peak resident memory is read after loading, after patching, after
-the first call and after the last (``hf-accel bench --memory``).
+patched (``patch``): the process's peak resident memory while loading, then (the peak counter reset) the
+peak since loading, read after patching, after the first call and after the last (``hf-accel bench
+--memory``).
 """
 
 import time
@@ -76,6 +77,9 @@ def memory(spec: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, **kwargs).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     peaks = {"load_mb": _resident_mb("VmHWM"), "resident_after_load_mb": _resident_mb("VmRSS")}
+    # Loading may peak above what the model keeps (a GGUF file is dequantized): from here on, peaks since.
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
     held = None
     if spec["patch"] is not None:
         import hf_accel

@@ -78,8 +78,9 @@ class GenerateCall:
         if (config.num_beams != 1 or config.prompt_lookup_num_tokens or config.cache_implementation is not None
                 or settings.get("assistant_model") is not None):
             return None
-        batch_size, prompt = input_ids.shape
+        rows, prompt = input_ids.shape
         new_tokens = generated_length(self.model, config, settings, input_ids)
+        batch_size = rows * (config.num_return_sequences or 1)  # stock expands the rows before the cache sees them
         return _CallShape(batch_size, prompt, prompt + max(new_tokens, 1), bool(config.disable_compile))
 
     def reusable_cache(self) -> Any:

@@ -65,11 +65,16 @@ def _pack(weight: torch.Tensor, pack_for_rows: int, first: bool) -> PackedWeight
     index = torch.linspace(0, rows - 1, min(rows, SAMPLED_VALUES), device=weight.device).long()
     sampled_columns = (index * 7919) % columns
     entry = _PACKED[id(weight)] = PackedWeight(
-        torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_for_rows), weight.data_ptr(), weight.shape,
+        _reorder(weight.detach(), pack_for_rows), weight.data_ptr(), weight.shape,
         _version(weight), index, sampled_columns, weight.detach()[index, sampled_columns].clone())
     if first:  # the old copy of a repacked weight is replaced above; a dead tensor's copy goes here
         weakref.finalize(weight, _PACKED.pop, id(weight), None)
     return entry
+
+
+def _reorder(weight: torch.Tensor, pack_for_rows: int) -> torch.Tensor:
+    """``weight`` in oneDNN's blocked layout for products of about ``pack_for_rows`` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, pack_for_rows)
 
 
 def _hold(handle: torch.Tensor, packed: torch.Tensor) -> None:
@@ -137,21 +142,25 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, keep_weight: bool) -> None:
         super().__init__()
+        weight = linear.weight
+        # Everything that can fail (packing: out of memory) before the original module is touched.
+        packed = None if keep_weight else _reorder(weight.detach(), PACK_FOR_ROWS)
+        if keep_weight:
+            packed_copy(weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         # Lists, so that neither is registered: the original module, and (when freed) its weight Parameter, which
         # goes back at unpatch refilled.
-        self.original, self.original_weight = [linear], [] if keep_weight else [linear.weight]
-        weight = linear.weight
-        linear.weight, linear.bias = None, None
+        self.original, self.original_weight = [linear], [] if keep_weight else [weight]
         if keep_weight:
             self.weight = weight
-            packed_copy(self.weight)
         else:
             # What the product and its compiled graphs are handed in place of the weight: no bytes, the weight's
             # shape on its first dimension; its packed copy is found by its id.
             self.register_buffer("packed_handle", weight.new_empty(self.out_features, 0), persistent=False)
-            _hold(self.packed_handle, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS))
+            _hold(self.packed_handle, packed)
+        linear.weight, linear.bias = None, None
+        if not keep_weight:
             weight.data = weight.data.new_empty(0)  # frees the plain weight's storage
 
     @property
@@ -200,7 +209,10 @@ class PackedLinear(nn.Module):
             ".weight to change it, or patch(..., keep_original=True) to keep the plain weight") from None
 
     def __setattr__(self, name: str, value) -> None:
-        if name == "weight" and isinstance(value, torch.Tensor) and "packed_handle" in self._buffers:
+        if name == "weight" and "packed_handle" in self._buffers:
+            if not isinstance(value, nn.Parameter):  # as nn.Linear refuses it
+                raise TypeError(f"cannot assign {type(value).__name__} as parameter 'weight' (torch.nn.Parameter "
+                                "expected)")
             forget(self.packed_handle)  # the assigned weight is held from now on, and packed again when it changes
             del self._buffers["packed_handle"]
             self.original_weight.clear()
@@ -223,7 +235,7 @@ class PackedLinear(nn.Module):
                                   f"{(self.out_features, self.in_features)}")
             else:
                 value = state_dict[key].detach().to(torch.float32)
-                _hold(self.packed_handle, torch.ops.mkldnn._reorder_linear_weight(value.contiguous(), PACK_FOR_ROWS))
+                _hold(self.packed_handle, _reorder(value.contiguous(), PACK_FOR_ROWS))
             state_dict = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
@@ -239,11 +251,31 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         key = self.weight if self.holds_weight else self.packed_handle
-        if torch.is_grad_enabled() and (x.requires_grad or (self.holds_weight and self.weight.requires_grad)):
-            return F.linear(x, self.weight if self.holds_weight else self.dense_weight(), self.bias)
+        if torch.is_grad_enabled():
+            if self.holds_weight and (x.requires_grad or self.weight.requires_grad):
+                return F.linear(x, self.weight, self.bias)
+            if not self.holds_weight and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)):
+                return _PackedProduct.apply(x, self, self.bias)
         if torch.compiler.is_compiling():
             return torch.ops.hf_accel.onednn_linear(x, key, self.bias)
         return onednn_linear(x, key, self.bias)
+
+
+class _PackedProduct(torch.autograd.Function):
+    """A freed layer's product under autograd: forward on the packed copy; backward gives the input (and the
+    bias) their gradients, unpacking the weight only while it needs it. The weight gets none: it is no longer
+    a Parameter (``keep_original=True`` keeps it trainable)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.layer = layer
+        return onednn_linear(x, layer.packed_handle, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_x = grad @ ctx.layer.dense_weight() if ctx.needs_input_grad[0] else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_bias
 
 
 def refuse_conversion(fn) -> None:
@@ -255,6 +287,17 @@ def refuse_conversion(fn) -> None:
         raise PatchError("this model's Linear layers hold oneDNN-packed float32 weights for the CPU; call "
                          "hf_accel.unpatch(model) before changing its dtype or device, then patch it again",
                          backend="onednn_prepack", feature="compile")
+
+
+def _prefixes(name: str) -> list[str]:
+    """"a.b.c" -> ["", "a", "a.b"]: the qualified names of the modules above it."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
+def _guard_conversions(context: PatchContext, module: nn.Module) -> None:
+    convert = module._apply
+    context.changes.setattr(module, "_apply", lambda fn, recurse=True: (refuse_conversion(fn), convert(fn, recurse))[1])
 
 
 def linear_children(model: nn.Module):
@@ -284,11 +327,12 @@ def pack_linears(context: PatchContext) -> None:
         context.changes.set_submodule(parent, name, packed[-1])
         context.report.modules.append(qualified)
     context.before_each_call(lambda: [drop_if_edited(module.weight) for module in packed if module.holds_weight])
-    # Refused for the whole model before any layer is converted (each packed layer refuses too, when called
-    # on a submodule).
-    convert = context.model._apply
-    context.changes.setattr(context.model, "_apply",
-                            lambda fn, recurse=True: (refuse_conversion(fn), convert(fn, recurse))[1])
+    # Refused before any layer is converted, on the model or on any module above a packed layer (children are
+    # converted one by one: refusing at the first packed layer would leave earlier ones converted).
+    ancestors = {name.rpartition(".")[0] for name in context.report.modules}
+    ancestors |= {parent for name in ancestors for parent in _prefixes(name)}
+    for name in sorted(ancestors):
+        _guard_conversions(context, context.model.get_submodule(name))
     context.report.details["packed_linears"] = len(context.report.modules)
     context.report.details["plain_weights_kept"] = sum(module.holds_weight for module in packed)
     context.account_memory("oneDNN-packed weights", lambda: sum(module.packed_bytes() for module in packed))
@@ -307,15 +351,20 @@ def packing_bytes(model: nn.Module) -> int:
     return kept + max(linear.weight.nbytes for linear in linears)
 
 
+def packing_needed(context: PatchContext) -> int:
+    """Bytes packing adds here: :func:`packing_bytes`, or a copy of every weight with ``keep_original=True``."""
+    if context.option("keep_original", False):
+        return sum(linear.weight.nbytes for _, _, _, linear in linear_children(context.model))
+    return packing_bytes(context.model)
+
+
 def packing_problem(context: PatchContext) -> str | None:
     """Why the weights cannot be packed here (no oneDNN, not fp32 on the CPU, not enough free memory), or None."""
     if why_unavailable():
         return why_unavailable()
     if context.device.type != "cpu" or context.dtype != torch.float32:
         return "packs float32 weights on the CPU"
-    keep = context.option("keep_original", False)
-    return shortfall(context.device, sum(lin.weight.nbytes for _, _, _, lin in linear_children(context.model))
-                     if keep else packing_bytes(context.model))
+    return shortfall(context.device, packing_needed(context))
 
 
 def why_unavailable() -> str | None:
@@ -341,6 +390,6 @@ def hf_accel_register_backends(register):
         capabilities=Capabilities(devices=("cpu",), dtypes=(torch.float32,)),
         priority=10,
         options={"keep_original": Option.flag(False)},
-        memory_needed=lambda context: packing_bytes(context.model),
+        memory_needed=packing_needed,
         description="Linear layers on prepacked oneDNN fp32 weights (exact arithmetic, ~1.7x faster matmuls)",
     ))

@@ -68,7 +68,7 @@ def test_calls_in_one_process_are_set_against_stocks_same_call():
 def test_the_memory_table_sets_each_peak_against_stocks_and_the_first_call():
     from hf_accel.bench_memory import MemoryRun, format_memory_table
 
-    table = format_memory_table([MemoryRun("stock", 1200.0, 990.0, 1200.0, 1210.0, 1250.0, None),
-                                 MemoryRun("patch(model)", 1200.0, 990.0, 1240.0, 1300.0, 1375.0, 230 * 2**20)], calls=20)
-    assert "| stock        | 1200               | 1200           | 1210              | 1250" in table
-    assert "| 1375              | 1.10x   | 1.06x          | +230 " in table
+    table = format_memory_table([MemoryRun("stock", 1200.0, 990.0, 990.0, 1010.0, 1050.0, None),
+                                 MemoryRun("patch(model)", 1200.0, 990.0, 1140.0, 1200.0, 1260.0, 230 * 2**20)], calls=20)
+    assert "| stock        | 1200         | 990            | 1010              | 1050" in table
+    assert "| 1260              | 1.20x   | 1.05x          | 1260            | 1.05x   | +230 " in table

@@ -339,3 +339,17 @@ def test_a_new_batch_size_waits_for_its_own_compile_to_pay(llama, empty_store, s
     assert shapes[str(ShapeClass("LlamaDecoderLayer", single_row=True, single_token=True))].startswith("compiled")
     assert shapes[str(ShapeClass("LlamaDecoderLayer", single_row=False, single_token=True))].startswith("eager for now")
     assert compile_details(llama)["graphs_compiled"] == 1
+
+
+def test_several_sequences_per_prompt_get_a_cache_with_a_row_each():
+    """Stock expands each prompt into num_return_sequences rows before the cache sees them: the cache is for
+    that many rows, and a later call of one row gets its own."""
+    model, stock = make_tiny_model("llama"), make_tiny_model("llama")
+    ids, mask = left_padded_batch(model, (6,))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=1,
+                  num_return_sequences=4)
+    expected = stock.generate(**kwargs)
+    hf_accel.patch(model, speculative=None, compile_when="auto")
+    assert torch.equal(model.generate(**kwargs), expected)
+    assert list(model._hf_accel_state.compiled_step._caches) == [4]
+    assert torch.equal(greedy(model, ids, mask, n=8), greedy(stock, ids, mask, n=8))

@@ -44,16 +44,19 @@ def test_packed_model_matches_stock_logits_and_greedy_tokens(tiny_model):
 
 def test_training_still_backpropagates_through_packed_linears(llama):
     """With keep_original=True the plain weights stay Parameters and get gradients; by default they are freed
-    (not Parameters any more), and gradients still flow to everything else."""
-    hf_accel.patch(llama, compile="onednn_prepack", speculative=None, keep_original=True)
+    (not Parameters any more), and the packed product still passes stock's gradients to everything else."""
     ids, mask = left_padded_batch(llama, (5,))
+    llama(input_ids=ids, labels=ids).loss.backward()
+    stock = llama.model.embed_tokens.weight.grad.clone()
+    llama.zero_grad()
+    hf_accel.patch(llama, compile="onednn_prepack", speculative=None, keep_original=True)
     llama(input_ids=ids, labels=ids).loss.backward()
     assert llama.model.layers[0].mlp.up_proj.weight.grad is not None
     hf_accel.unpatch(llama)
     llama.zero_grad()
     hf_accel.patch(llama, compile="onednn_prepack", speculative=None)
     llama(input_ids=ids, labels=ids).loss.backward()
-    assert llama.model.embed_tokens.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(llama.model.embed_tokens.weight.grad, stock, rtol=1e-4, atol=1e-6)
 
 
 def test_onednn_refuses_non_fp32_models_with_a_reason():
@@ -322,6 +325,36 @@ def test_weights_loaded_or_assigned_into_freed_layers_take_effect(change):
     assert_same_state(state_dict_copy(stock), state_dict_copy(model))
 
 
+def test_a_plain_tensor_assigned_as_a_freed_layers_weight_is_refused_as_nn_linear_refuses_it():
+    model = make_tiny_model("llama")
+    hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    with pytest.raises(TypeError, match="Parameter"):
+        model.model.layers[0].mlp.up_proj.weight = torch.randn(128, 64)
+    ids, mask = left_padded_batch(model)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4)  # the layer still works
+    hf_accel.unpatch(model)
+
+
+def test_a_layer_that_fails_to_pack_leaves_the_model_as_it_was(monkeypatch):
+    from hf_accel_plugins import compile_onednn
+
+    model = make_tiny_model("llama")
+    before = state_dict_copy(model)
+    calls = []
+
+    def failing(weight, rows):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+    monkeypatch.setattr(compile_onednn, "_reorder", failing)
+    with pytest.raises(hf_accel.PatchError):
+        hf_accel.patch(model, compile="onednn_prepack", speculative=None)
+    assert all(isinstance(m.weight, torch.nn.Parameter) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert_same_state(before, state_dict_copy(model))
+
+
 def test_a_wrong_shape_loaded_into_a_freed_layer_is_refused_by_name():
     model = make_tiny_model("llama")
     hf_accel.patch(model, compile="onednn_prepack", speculative=None)
@@ -329,8 +362,9 @@ def test_a_wrong_shape_loaded_into_a_freed_layer_is_refused_by_name():
         model.load_state_dict({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}, strict=False)
 
 
-@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.bfloat16),
-                                     lambda m: m.model.layers[0].half()], ids=["half", "to-bf16", "a-submodule"])
+@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.model.half(),
+                                     lambda m: m.model.layers[0].mlp.half()],
+                         ids=["half", "to-bf16", "base-model-embeddings-first", "mlp"])
 def test_changing_a_packed_models_dtype_is_refused_before_anything_changes(convert):
     model = make_tiny_model("llama")
     hf_accel.patch(model, compile="onednn_prepack", speculative=None)
