@@ -67,7 +67,8 @@ def _resident_mb(field: str) -> float:
     return float("nan")
 
 
-def memory(spec: dict) -> dict:
+def _load_for_calls(spec: dict):
+    """The tokenizer (left padding, for batches), the model, and the pad token id."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -76,6 +77,19 @@ def memory(spec: dict) -> dict:
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, **kwargs).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return tokenizer, model, pad
+
+
+def _encode_batch(tokenizer, prompts: list) -> dict:
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in prompts]
+    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+def memory(spec: dict) -> dict:
+    import torch
+
+    tokenizer, model, pad = _load_for_calls(spec)
     peaks = {"load_mb": _resident_mb("VmHWM"), "resident_after_load_mb": _resident_mb("VmRSS")}
     # Loading may peak above what the model keeps (a GGUF file is dequantized): from here on, peaks since.
     with open("/proc/self/clear_refs", "w") as refs:
@@ -87,9 +101,7 @@ def memory(spec: dict) -> dict:
         model = hf_accel.patch(model, **spec["patch"])
     peaks["patch_mb"] = _resident_mb("VmHWM")
     for i, (max_new_tokens, prompts) in enumerate(spec["calls"]):
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                               tokenize=False) for p in prompts]
-        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        inputs = _encode_batch(tokenizer, prompts)
         with torch.no_grad():
             model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         if i == 0:
@@ -101,18 +113,9 @@ def memory(spec: dict) -> dict:
 
 def calls(spec: dict) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"gguf_file": spec["gguf_file"]} if spec.get("gguf_file") else {}
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], **kwargs)
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, **kwargs).eval()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    encoded = []
-    for max_new_tokens, prompts in spec["calls"]:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                               tokenize=False) for p in prompts]
-        encoded.append((max_new_tokens, tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)))
+    tokenizer, model, pad = _load_for_calls(spec)
+    encoded = [(max_new_tokens, _encode_batch(tokenizer, prompts)) for max_new_tokens, prompts in spec["calls"]]
 
     def run_all(compiled_seconds=lambda: 0.0) -> list[dict]:
         results = []
