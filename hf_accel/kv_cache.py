@@ -178,11 +178,13 @@ class BufferPool:
 
     def take(self, key: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
-        numel = math.prod(shape)
-        buffer = self._buffers.get((*key, dtype, device))
+        numel, slot = math.prod(shape), (*key, dtype, device)
+        buffer = self._buffers.get(slot)
         if buffer is None or buffer.numel() < numel:
-            buffer = None  # the old one goes before the larger one is allocated (unless a cache still views it)
-            buffer = self._buffers[(*key, dtype, device)] = torch.zeros(numel, dtype=dtype, device=device)
+            # The old one goes before the larger one is allocated (unless a cache still views it).
+            buffer = None
+            self._buffers.pop(slot, None)
+            buffer = self._buffers[slot] = torch.zeros(numel, dtype=dtype, device=device)
         return buffer[:numel].view(shape)
 
     def nbytes(self) -> int:

@@ -153,7 +153,6 @@ def record_quantization(context: PatchContext, scheme: str) -> None:
     context.account_memory("quantized weights", lambda: quantized)
     if not context.option("keep_original", False):
         context.account_memory("original weights freed", lambda: -originals)
-    if not context.option("keep_original", False):
         context.changes.forget_on_commit(
             f"its weights were quantized ({scheme}) and the originals freed; "
             "patch with keep_original=True to be able to unpatch")

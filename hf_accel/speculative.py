@@ -606,15 +606,16 @@ class SpeculativeRunner:
     compiled when the compile policy says so, eager until then); otherwise eagerly over the patch's KV cache.
     """
 
-    def __init__(self, make_drafter: DrafterFactory, details: dict[str, Any], draft_length: DraftLength) -> None:
+    def __init__(self, make_drafter: DrafterFactory, details: dict[str, Any], draft_length: DraftLength,
+                 drafts: tuple[torch.nn.Module, ...] = ()) -> None:
         self.make_drafter = make_drafter
         self.details = details
         self.draft_length = draft_length
         self.stats = SpeculativeStats()
         self._logged: set[str] = set()
         self._compiled: dict[int, Any] = {}  # id(draft model) -> its compiled forward (the target uses the patch's)
-        #: The models the drafters run (set by ``install_runner``).
-        self.drafts: tuple[torch.nn.Module, ...] = ()
+        #: The models the drafters run (a quantized copy a backend made, a user's draft model).
+        self.drafts = drafts
 
     def __repr__(self) -> str:
         return f"<SpeculativeRunner k={self.draft_length.k} {self.stats.as_details()}>"
@@ -697,7 +698,6 @@ def install_runner(context: Any, make_drafter: DrafterFactory, draft_length: Dra
                    drafts: tuple[torch.nn.Module, ...] = ()) -> None:
     """What a speculative backend's ``apply`` does: route this model's generate calls through the loop.
     ``drafts``: the models its drafters run (a quantized copy the backend made, a user's draft model)."""
-    runner = SpeculativeRunner(make_drafter, context.report.details, draft_length)
-    runner.drafts = drafts
+    runner = SpeculativeRunner(make_drafter, context.report.details, draft_length, drafts)
     context.changes.setattr(context.state, "runner", runner)
     context.account_memory("draft models' static caches", runner.cache_bytes)

@@ -360,8 +360,9 @@ def packing_needed(context: PatchContext) -> int:
 
 def packing_problem(context: PatchContext) -> str | None:
     """Why the weights cannot be packed here (no oneDNN, not fp32 on the CPU, not enough free memory), or None."""
-    if why_unavailable():
-        return why_unavailable()
+    reason = why_unavailable()
+    if reason:
+        return reason
     if context.device.type != "cpu" or context.dtype != torch.float32:
         return "packs float32 weights on the CPU"
     return shortfall(context.device, packing_needed(context))

@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 GROUP_SIZES = (32, 64, 128, 256)
 
 
+def bytes_per_weight(group_size: int) -> float:
+    """What one weight takes: its 4-bit code and its share of its group's bf16 scale and offset."""
+    return 0.5 + 4 / group_size
+
+
 def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit codes ``q`` in 0..15 (int32, ``[out, in]``), and per group the scale and minimum
     (``[out, in // group_size]``), so that ``weight ≈ q * scale + minimum``."""
@@ -190,6 +195,7 @@ def hf_accel_register_backends(register):
         tolerance=0.5,
         variants=("int4",),
         options={**SELECTION_OPTIONS, "group_size": Option.choice(*GROUP_SIZES)},
-        memory_needed=lambda context: quantized_bytes(context, 0.5 + 4 / 32),  # codes; bf16 scale, offset per 32
+        memory_needed=lambda context: quantized_bytes(
+            context, bytes_per_weight(int(context.option("group_size", 32)))),
         description="int4 weights in groups of 32 (asymmetric), bf16 activations, aten's int4 CPU kernel",
     ))

@@ -24,6 +24,7 @@ from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
 from hf_accel.quantize import linear_children, weight_and_bias
 from hf_accel.speculative import DraftLength, ModelDrafter, SelfDrafter, install_runner, object_request_problem
 from hf_accel_plugins.quantize_int4 import Int4WeightLinear
+from hf_accel_plugins.quantize_int4 import bytes_per_weight as int4_bytes_per_weight
 from hf_accel_plugins.quantize_int4 import kernel_problem as int4_kernel_problem
 from hf_accel_plugins.quantize_int8 import Int8WeightLinear
 from hf_accel_plugins.quantize_int8 import kernel_problem as int8_kernel_problem
@@ -98,7 +99,7 @@ def draft_bytes(context: PatchContext, bits: int) -> int:
     sizes = [(linear.weight.numel(), linear is head) for _, _, _, linear in linear_children(fresh)]
     if not sizes:
         return 0
-    per_weight = 0.5 + 4 / 32 if bits == 4 else 1.0
+    per_weight = int4_bytes_per_weight(32) if bits == 4 else 1.0
     held = sum(n * (1.0 if is_head else per_weight) for n, is_head in sizes)
     return int(held + 8 * max(n for n, _ in sizes))  # fp32 plus int32 codes of one layer at a time
 
