@@ -30,18 +30,27 @@ class CachedLM:
     """
 
     def __init__(self, model: torch.nn.Module, cache: Any = None,
-                 forward: Callable[..., Any] | None = None) -> None:
+                 forward: Callable[..., Any] | None = None, borrowed: bool = False) -> None:
         self.model = model
         # Full-length layers even for sliding-window models: the window is applied by the attention mask,
         # so rows can be realigned without losing tokens that a trimmed window layer would have dropped.
         self.cache = cache if cache is not None else PreallocatedCache(model.config)
-        self.cache.reset()
+        #: Whether the cache is another CachedLM's (a self-draft writing its drafts past the target's slots):
+        #: then this one never empties, compacts or realigns it, and gives back every slot it appends.
+        self.borrowed = borrowed
+        if not borrowed:
+            self.cache.reset()
         #: Runs the chunks after the prompt: the model, or a compiled forward over a fixed-length cache.
         self.step = forward if forward is not None else model
         self._fixed_length: int | None = getattr(self.cache, "max_cache_len", None)
         self.mask: torch.Tensor | None = None
         self.realignments = 0  # how often rows were moved (every filled slot may have changed)
         self._supports_logits_to_keep = model._supports_logits_to_keep()
+
+    @property
+    def fixed_length(self) -> int | None:
+        """The slots a fixed-length cache holds (None for one that grows)."""
+        return self._fixed_length
 
     @property
     def batch_size(self) -> int:
@@ -61,13 +70,17 @@ class CachedLM:
         masked slots. Only a drafter uses it, where a hole costs speed but never correctness.
         """
         m = ids.shape[1]
-        if self._fixed_length is not None and self.mask.shape[1] + m > self._fixed_length:
-            self._compact()
+        self.make_room(m)
         chunk_mask = self.mask.new_ones(self.batch_size, m) if valid is None else valid.long()
         positions = self.mask.sum(-1, keepdim=True) + (chunk_mask.cumsum(-1) - 1).clamp_min(0)
         self.mask = torch.cat([self.mask, chunk_mask], dim=-1)
         self._appended += m
         return self._forward(ids, positions, keep=m)
+
+    def make_room(self, m: int) -> None:
+        """Make sure ``m`` more slots fit: a fixed-length cache that would overflow packs its rows first."""
+        if self._fixed_length is not None and self.mask.shape[1] + m > self._fixed_length:
+            self._compact()
 
     def keep(self, kept: torch.Tensor) -> None:
         """Of the tokens appended since the last ``keep`` (or the prefill), row ``b`` keeps its first
@@ -84,10 +97,12 @@ class CachedLM:
 
     def mirror(self, source: CachedLM, start: int = 0) -> None:
         """Hold exactly what ``source`` holds (a model of the same shape: a quantized copy), copying its keys
-        and values from slot ``start`` on; the slots before must already be the same."""
+        and values from slot ``start`` on; the slots before must already be the same. Over ``source``'s own
+        cache nothing is copied."""
         end = source.mask.shape[1]
-        for mine, theirs in zip(self.cache.layers, source.cache.layers):
-            mine.mirror(theirs, start, end)
+        if self.cache is not source.cache:
+            for mine, theirs in zip(self.cache.layers, source.cache.layers):
+                mine.mirror(theirs, start, end)
         self.mask = source.mask.clone()
         self._appended = 0
 
@@ -117,6 +132,7 @@ class CachedLM:
         before it would overflow. For rows without holes this is one shift of every row: slot distances, and
         so sliding windows, are unchanged.
         """
+        self._refuse_if_borrowed("compact")
         length = self.mask.shape[1]
         # Stable sort of 0/1: each row's padding and holes first, its real slots after them in their order.
         order = self.mask.argsort(dim=-1, stable=True)
@@ -130,6 +146,7 @@ class CachedLM:
 
     def _realign(self, shift: torch.Tensor) -> None:
         """Move each row's slots right by ``shift[row]``, turning its dropped tail into left padding."""
+        self._refuse_if_borrowed("realign")
         length = self.mask.shape[1]
         source = (torch.arange(length, device=shift.device) - shift[:, None]) % length  # [batch, length]
         for layer in self.cache.layers:
@@ -137,3 +154,7 @@ class CachedLM:
         self.realignments += 1
         self.mask = self.mask.gather(1, source)
         self.mask[torch.arange(length, device=shift.device)[None, :] < shift[:, None]] = 0
+
+    def _refuse_if_borrowed(self, what: str) -> None:
+        if self.borrowed:  # moving slots is the owner's to do: it would move them under the owner's mask
+            raise RuntimeError(f"a CachedLM over another's cache cannot {what} it; the owner makes room first")

@@ -74,13 +74,15 @@ class DrafterFactory(Protocol):
 
 
 class LMFactory(Protocol):
-    def __call__(self, model: torch.nn.Module, role: str = "target") -> CachedLM:
-        """``model`` with a cache of its own for this call; ``role``: ``"target"`` or ``"draft"``."""
+    def __call__(self, model: torch.nn.Module, role: str = "target", over: CachedLM | None = None) -> CachedLM:
+        """``model`` with a cache for this call; ``role``: ``"target"`` or ``"draft"``. With ``over`` (a model of
+        the same shapes and dtype), it runs over ``over``'s cache where it can (see ``CachedLM.borrowed``),
+        else over a cache of its own."""
 
 
-def eager_lm(model: torch.nn.Module, role: str = "target") -> CachedLM:  # noqa: ARG001
-    """The plain :class:`LMFactory`: eager forwards, a new growing cache each."""
-    return CachedLM(model)
+def eager_lm(model: torch.nn.Module, role: str = "target", over: CachedLM | None = None) -> CachedLM:  # noqa: ARG001
+    """The plain :class:`LMFactory`: eager forwards, a new growing cache each (or ``over``'s)."""
+    return CachedLM(model) if over is None else CachedLM(model, over.cache, borrowed=True)
 
 
 @dataclass
@@ -456,9 +458,21 @@ class SelfDrafter(ModelDrafter):
     newest token before drafting."""
 
     def start(self, loop: SpeculativeLoop) -> None:
-        self.lm = loop.make_lm(self.model, "draft")
+        # Over the target's own cache where the dtypes agree: the copy's drafts go into the slots past the
+        # target's, which the target's next verification overwrites, and nothing is copied.
+        same_dtype = getattr(self.model, "dtype", None) == getattr(loop.target.model, "dtype", None)
+        self.lm = loop.make_lm(self.model, "draft", over=loop.target if same_dtype else None)
         self.lm.mirror(loop.target)
         self._synced, self._realignments = self.lm.mask.shape[1], self._moves(loop)
+
+    def propose(self, loop: SpeculativeLoop, k: int) -> Draft:
+        if self.lm.borrowed:  # the target packs its rows now if the draft's k slots would not fit
+            loop.target.make_room(k)
+        draft = super().propose(loop, k)
+        # Back to what the target holds: the drafted slots are the target's to overwrite (or, in a cache of
+        # its own, the next catch-up's).
+        self.lm.keep(torch.zeros_like(draft.lengths))
+        return draft
 
     def _moves(self, loop: SpeculativeLoop) -> tuple[int, int]:
         """How often either cache moved its slots (realigned or compacted): then every slot may differ."""
@@ -633,7 +647,8 @@ class SpeculativeRunner:
         compiled: list[Any] = []  # the compiled forwards this call runs, told how long it was when it ends
         loop = SpeculativeLoop(call.model, drafter, plan.config, plan.processors, plan.stopping, plan.streamer,
                                plan.max_new_tokens, self.draft_length,
-                               make_lm=lambda model, role="target": self._cached_lm(call, plan, model, role, compiled),
+                               make_lm=lambda model, role="target", over=None: self._cached_lm(
+                                   call, plan, model, role, compiled, over),
                                draft_processors=plan.draft_processors)
         try:
             with torch.no_grad():
@@ -646,33 +661,40 @@ class SpeculativeRunner:
         self.details.update(self.stats.as_details(), draft_length=self.draft_length.k)
         return to_output(loop, plan.config)
 
-    def _cached_lm(self, call: Any, plan: CallPlan, model: torch.nn.Module, role: str,
-                   compiled: list[Any]) -> CachedLM:
-        """``model`` (the target, or a draft) with its cache for this call."""
+    def _cached_lm(self, call: Any, plan: CallPlan, model: torch.nn.Module, role: str, compiled: list[Any],
+                   over: CachedLM | None = None) -> CachedLM:
+        """``model`` (the target, or a draft) with its cache for this call: ``over``'s where that is the kind
+        its forward runs on (fixed-length for a compiled one), else its own."""
         base = call.state.compiled_step
         # The target compiles only where its graphs reproduce eager to fp32 rounding: with bf16 activations
         # (quantized or bf16 weights) fused casts round differently, and greedy output could drift from the
         # model's own. Drafts may; their tokens are all verified.
         inexact = base is not None and base.tolerance > CHECK_TOLERANCE and role == "target"
-        if base is None or plan.config.disable_compile or inexact:
+        step = None if base is None or plan.config.disable_compile or inexact else self._step_for(base, model, role)
+        if step is None:
+            if over is not None and over.fixed_length is None:
+                return CachedLM(model, over.cache, borrowed=True)
             return CachedLM(model, call.reusable_cache() if role == "target" else None)
-        if model is base.model:
-            step = base
-        else:
-            if id(model) not in self._compiled:
-                # A draft's graph only has to draft well: a loose check is enough (its tokens are all verified).
-                self._compiled[id(model)] = base.for_model(
-                    model, details=self.details.setdefault("compiled", {}).setdefault(role, {}),
-                    tolerance=DRAFT_CHECK_TOLERANCE)
-            step = self._compiled[id(model)]
-            if step is None:  # a draft whose layers cannot be routed drafts eagerly
-                return CachedLM(model)
+        step.begin_call(plan.max_new_tokens)
+        compiled.append(step)
+        if over is not None and over.fixed_length is not None:
+            return CachedLM(model, over.cache, forward=step, borrowed=True)
         batch, prompt = plan.input_ids.shape
         # Room for every token, plus a full draft verified past the budget's end.
         length = prompt + plan.max_new_tokens + self.draft_length.high + self.draft_length.extra + 2
-        step.begin_call(plan.max_new_tokens)
-        compiled.append(step)
         return CachedLM(model, step.cache_for(batch, length), forward=step)
+
+    def _step_for(self, base: Any, model: torch.nn.Module, role: str) -> Any:
+        """The compiled forward ``model`` runs: the patch's for the target, one of its own for a draft (None for
+        a draft whose layers cannot be routed: it drafts eagerly)."""
+        if model is base.model:
+            return base
+        if id(model) not in self._compiled:
+            # A draft's graph only has to draft well: a loose check is enough (its tokens are all verified).
+            self._compiled[id(model)] = base.for_model(
+                model, details=self.details.setdefault("compiled", {}).setdefault(role, {}),
+                tolerance=DRAFT_CHECK_TOLERANCE)
+        return self._compiled[id(model)]
 
     def _fallback(self, call: Any, reason: str) -> Any:
         self.stats.fallbacks += 1

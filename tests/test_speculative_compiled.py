@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import left_padded_batch, make_tiny_model
@@ -10,6 +12,7 @@ from test_speculative import DivergingDrafter, ScriptedDrafter, drafter_plugin, 
 import hf_accel
 from hf_accel.cached_lm import CachedLM
 from hf_accel.kv_cache import PreallocatedCache, RollbackStaticCache
+from hf_accel.speculative import SelfDrafter
 
 
 @pytest.fixture(autouse=True)
@@ -172,3 +175,57 @@ def test_a_draft_model_whose_layers_cannot_be_routed_drafts_eagerly(llama):
     hf_accel.patch(llama, speculative=draft, **AT_ONCE)
     assert torch.equal(greedy(llama, ids, mask, max_new_tokens=20), expected)
     assert "wraps it" in compiled(llama, "draft")["failure"]
+
+
+class SecondChoiceForLaterRows(SelfDrafter):
+    """An exact copy of the target drafting: row 0's drafts are all accepted; every later row drafts its
+    second choice (all rejected), so rows advance at k + 1 and 1 tokens per step."""
+
+    def start(self, loop):
+        super().start(loop)
+        self.target_cache = loop.target.cache
+
+    def _scores(self, loop, logits, drafted):
+        scores = super()._scores(loop, logits, drafted).clone()
+        scores[1:].scatter_(-1, scores[1:].argmax(-1, keepdim=True), -float("inf"))
+        return scores
+
+
+@pytest.mark.parametrize("settings", [{**AT_ONCE, "cache_bucket": 8}, {"compile": None}], ids=["compiled", "eager"])
+def test_a_self_draft_drafts_in_the_targets_own_cache_and_holds_none(llama, settings, monkeypatch):
+    """The copy writes its drafts past the target's slots (overwritten at verification) and gives them back;
+    the target packs its rows before a draft would not fit (rows diverge: the fixed-length cache fills)."""
+    ids, mask = left_padded_batch(llama, (6, 6))
+    expected = greedy(llama, ids, mask, max_new_tokens=40)
+    draft, drafters = copy.deepcopy(llama), []
+    compactions = []
+    compact = CachedLM._compact
+    monkeypatch.setattr(CachedLM, "_compact", lambda lm: (compactions.append(lm.borrowed), compact(lm))[1])
+
+    def make_drafter(model, config):
+        drafters.append(SecondChoiceForLaterRows(draft, config, llama.config.vocab_size))
+        return drafters[-1]
+
+    hf_accel.patch(llama, speculative="test_drafter", plugins=[drafter_plugin(make_drafter, k=4, low=4, high=4)],
+                   **settings)
+    assert torch.equal(greedy(llama, ids, mask, max_new_tokens=40), expected)
+    lm = drafters[-1].lm
+    assert lm.borrowed and lm.cache is drafters[-1].target_cache
+    details = hf_accel.report(llama)["speculative"].details
+    assert details["accepted"] >= 28 and details["fallbacks_to_stock"] == 0
+    assert hf_accel.report(llama)["speculative"].memory["draft models' static caches"] == 0
+    if settings["compile"]:
+        assert compiled(llama, "draft")["compiled_steps"] > 0
+        assert compactions and not any(compactions)  # the target packed its rows, never the draft
+
+
+def test_a_cachedlm_over_another_ones_cache_refuses_to_move_its_slots(tiny_model):
+    ids, mask = left_padded_batch(tiny_model, (5, 2))
+    owner = CachedLM(tiny_model, RollbackStaticCache(tiny_model.config, max_cache_len=8))
+    with torch.no_grad():
+        owner.prefill(ids, mask)
+        guest = CachedLM(tiny_model, owner.cache, borrowed=True)
+        guest.mirror(owner)
+        guest.extend(ids[:, :3])
+        with pytest.raises(RuntimeError, match="owner makes room first"):
+            guest.extend(ids[:, :3])
