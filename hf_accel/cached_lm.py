@@ -30,15 +30,19 @@ class CachedLM:
     """
 
     def __init__(self, model: torch.nn.Module, cache: Any = None,
-                 forward: Callable[..., Any] | None = None, borrowed: bool = False) -> None:
+                 forward: Callable[..., Any] | None = None, over: CachedLM | None = None) -> None:
         self.model = model
+        if over is not None and not can_share(over, model):
+            raise ValueError(f"{type(model).__name__} cannot run over the cache of {type(over.model).__name__}: "
+                             "it needs a cache of the same kind with layers of the same shapes and dtype")
+        #: The CachedLM whose cache this one runs over (a self-draft writing its drafts past the target's
+        #: slots), or None: then this one never empties, fills from a prompt, compacts or realigns it, and
+        #: gives back every slot it wrote (:meth:`give_back`).
+        self.owner = over
         # Full-length layers even for sliding-window models: the window is applied by the attention mask,
         # so rows can be realigned without losing tokens that a trimmed window layer would have dropped.
-        self.cache = cache if cache is not None else PreallocatedCache(model.config)
-        #: Whether the cache is another CachedLM's (a self-draft writing its drafts past the target's slots):
-        #: then this one never empties, compacts or realigns it, and gives back every slot it appends.
-        self.borrowed = borrowed
-        if not borrowed:
+        self.cache = over.cache if over is not None else cache if cache is not None else PreallocatedCache(model.config)
+        if over is None:
             self.cache.reset()
         #: Runs the chunks after the prompt: the model, or a compiled forward over a fixed-length cache.
         self.step = forward if forward is not None else model
@@ -46,6 +50,11 @@ class CachedLM:
         self.mask: torch.Tensor | None = None
         self.realignments = 0  # how often rows were moved (every filled slot may have changed)
         self._supports_logits_to_keep = model._supports_logits_to_keep()
+
+    @property
+    def borrowed(self) -> bool:
+        """Whether the cache is another CachedLM's (see ``owner``)."""
+        return self.owner is not None
 
     @property
     def fixed_length(self) -> int | None:
@@ -58,6 +67,7 @@ class CachedLM:
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Run the prompt; the fp32 logits of its last position, ``[batch, vocab]``."""
+        self._refuse_if_borrowed("fill from a prompt")
         self.mask = attention_mask.long()
         self._appended = 0
         positions = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
@@ -94,6 +104,12 @@ class CachedLM:
         if bool((shift > 0).any()):
             self._realign(shift)
         self._appended = 0
+
+    def give_back(self) -> None:
+        """Over another's cache: forget every slot written since taking the owner's state, putting the cache's
+        write position back at the owner's length (an absolute position, whatever was written)."""
+        self.cache.seek(self.owner.mask.shape[1])
+        self.mask, self._appended = self.owner.mask.clone(), 0
 
     def mirror(self, source: CachedLM, start: int = 0) -> None:
         """Hold exactly what ``source`` holds (a model of the same shape: a quantized copy), copying its keys
@@ -156,5 +172,16 @@ class CachedLM:
         self.mask[torch.arange(length, device=shift.device)[None, :] < shift[:, None]] = 0
 
     def _refuse_if_borrowed(self, what: str) -> None:
-        if self.borrowed:  # moving slots is the owner's to do: it would move them under the owner's mask
+        if self.borrowed:  # the slots are the owner's: this would move or fill them under the owner's mask
             raise RuntimeError(f"a CachedLM over another's cache cannot {what} it; the owner makes room first")
+
+
+def can_share(owner: CachedLM, model: torch.nn.Module) -> bool:
+    """Whether ``model`` can run over ``owner``'s cache: a cache that can seek back, and a model whose keys and
+    values have the owner's shapes and dtype in every layer (a quantized copy of the owner's model)."""
+    if not hasattr(owner.cache, "seek") or getattr(model, "dtype", None) != getattr(owner.model, "dtype", None):
+        return False
+    mine, theirs = (m.config.get_text_config(decoder=True) for m in (model, owner.model))
+    fields = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+              "layer_types", "sliding_window")
+    return all(getattr(mine, f, None) == getattr(theirs, f, None) for f in fields)

@@ -150,6 +150,13 @@ class PreallocatedCache(Cache):
         for layer in self.layers:
             layer.reset()
 
+    def seek(self, length: int) -> None:
+        """Make the first ``length`` slots the filled ones (the next update writes after them)."""
+        for layer in self.layers:
+            layer.length = length
+            if layer.is_initialized:
+                layer._expose()
+
     def release(self) -> None:
         """Free the buffers; the next call allocates what it needs again."""
         for layer in self.layers:
@@ -188,7 +195,7 @@ class BufferPool:
         return buffer[:numel].view(shape)
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(b.numel() * b.element_size() for b in list(self._buffers.values()))
 
 
 class RollbackStaticLayer(StaticLayer):
@@ -262,3 +269,8 @@ class RollbackStaticCache(Cache):
     def reset(self) -> None:
         for layer in self.layers:  # no need to zero the buffers: slots past the index are masked
             layer.cumulative_length.zero_()
+
+    def seek(self, length: int) -> None:
+        """Make the next update write at slot ``length`` (the slots before it are the filled ones)."""
+        for layer in self.layers:
+            layer.cumulative_length.fill_(length)

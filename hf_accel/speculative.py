@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cached_lm import CachedLM
+from .cached_lm import CachedLM, can_share
 from .compiled_step import CHECK_TOLERANCE
 from .generation import generated_length
 from .speculative_settings import blocking_settings
@@ -76,13 +76,13 @@ class DrafterFactory(Protocol):
 class LMFactory(Protocol):
     def __call__(self, model: torch.nn.Module, role: str = "target", over: CachedLM | None = None) -> CachedLM:
         """``model`` with a cache for this call; ``role``: ``"target"`` or ``"draft"``. With ``over`` (a model of
-        the same shapes and dtype), it runs over ``over``'s cache where it can (see ``CachedLM.borrowed``),
+        the same shapes and dtype), it runs over ``over``'s cache where it can (see ``CachedLM.owner``),
         else over a cache of its own."""
 
 
 def eager_lm(model: torch.nn.Module, role: str = "target", over: CachedLM | None = None) -> CachedLM:  # noqa: ARG001
     """The plain :class:`LMFactory`: eager forwards, a new growing cache each (or ``over``'s)."""
-    return CachedLM(model) if over is None else CachedLM(model, over.cache, borrowed=True)
+    return CachedLM(model, over=over if over is not None and can_share(over, model) else None)
 
 
 @dataclass
@@ -458,10 +458,9 @@ class SelfDrafter(ModelDrafter):
     newest token before drafting."""
 
     def start(self, loop: SpeculativeLoop) -> None:
-        # Over the target's own cache where the dtypes agree: the copy's drafts go into the slots past the
-        # target's, which the target's next verification overwrites, and nothing is copied.
-        same_dtype = getattr(self.model, "dtype", None) == getattr(loop.target.model, "dtype", None)
-        self.lm = loop.make_lm(self.model, "draft", over=loop.target if same_dtype else None)
+        # Over the target's own cache where it can: the copy's drafts go into the slots past the target's,
+        # which the target's next verification overwrites, and nothing is copied.
+        self.lm = loop.make_lm(self.model, "draft", over=loop.target)
         self.lm.mirror(loop.target)
         self._synced, self._realignments = self.lm.mask.shape[1], self._moves(loop)
 
@@ -469,9 +468,8 @@ class SelfDrafter(ModelDrafter):
         if self.lm.borrowed:  # the target packs its rows now if the draft's k slots would not fit
             loop.target.make_room(k)
         draft = super().propose(loop, k)
-        # Back to what the target holds: the drafted slots are the target's to overwrite (or, in a cache of
-        # its own, the next catch-up's).
-        self.lm.keep(torch.zeros_like(draft.lengths))
+        if self.lm.borrowed:  # the drafted slots are the target's to overwrite
+            self.lm.give_back()
         return draft
 
     def _moves(self, loop: SpeculativeLoop) -> tuple[int, int]:
@@ -636,7 +634,7 @@ class SpeculativeRunner:
 
     def cache_bytes(self) -> int:
         """Bytes the draft models' compiled steps keep in their caches (the target's are the compile report's)."""
-        return sum(step.cache_bytes() for step in self._compiled.values() if step is not None)
+        return sum(step.cache_bytes() for step in list(self._compiled.values()) if step is not None)
 
     def __call__(self, call: Any) -> Any:
         plan = plan_call(call.model, call.args, call.kwargs)
@@ -672,13 +670,13 @@ class SpeculativeRunner:
         inexact = base is not None and base.tolerance > CHECK_TOLERANCE and role == "target"
         step = None if base is None or plan.config.disable_compile or inexact else self._step_for(base, model, role)
         if step is None:
-            if over is not None and over.fixed_length is None:
-                return CachedLM(model, over.cache, borrowed=True)
+            if over is not None and over.fixed_length is None and can_share(over, model):
+                return CachedLM(model, over=over)
             return CachedLM(model, call.reusable_cache() if role == "target" else None)
         step.begin_call(plan.max_new_tokens)
         compiled.append(step)
-        if over is not None and over.fixed_length is not None:
-            return CachedLM(model, over.cache, forward=step, borrowed=True)
+        if over is not None and over.fixed_length is not None and can_share(over, model):
+            return CachedLM(model, forward=step, over=over)
         batch, prompt = plan.input_ids.shape
         # Room for every token, plus a full draft verified past the budget's end.
         length = prompt + plan.max_new_tokens + self.draft_length.high + self.draft_length.extra + 2

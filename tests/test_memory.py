@@ -43,6 +43,34 @@ def test_the_reports_bytes_are_the_tensors_each_feature_holds():
     assert report.to_dict()["memory_bytes"] == report.memory_bytes
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (shared and tied ones once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+def test_the_reports_total_is_what_the_patch_holds_in_tensors():
+    """Counted from the storages themselves, not from what the report reads: the model's and the draft copy's
+    tensors (a freed weight holds none), the compiled steps' cache buffers, the KV cache, plus the packed
+    copies (opaque oneDNN tensors: their bytes are what they report)."""
+    model = make_tiny_model("llama")
+    before = storage_bytes([*model.parameters(), *model.buffers()])
+    hf_accel.patch(model, compile_when="first_use")
+    for lengths in ((7, 3, 5), (4,)):
+        ids, mask = left_padded_batch(model, lengths)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    state = model._hf_accel_state
+    (draft,) = state.runner.drafts
+    steps = [state.compiled_step, *state.runner._compiled.values()]
+    kv = [t for layer in state.kv_cache.layers if layer._stores for parts in layer._stores.values() for t in parts]
+    tensors = [*model.parameters(), *model.buffers(), *draft.parameters(), *draft.buffers(), *kv,
+               *(buffer for step in steps for buffer in step._pool._buffers.values())]
+    packed = [_PACKED[id(m.packed_handle)].packed for m in model.modules() if isinstance(m, PackedLinear)]
+    held = storage_bytes(tensors) + nbytes(packed) - before
+    assert hf_accel.report(model).memory_bytes == held
+    assert sum(step.cache_bytes() for step in steps) > 0
+
+
 def test_quantization_reports_what_it_holds_and_what_it_freed():
     model = make_tiny_model("llama")
     before = nbytes([*model.parameters(), *model.buffers()])

@@ -174,9 +174,11 @@ def test_model_card_style_settings_and_stop_strings_keep_speculation_and_stocks_
         hf_accel.unpatch(model)
 
 
-def test_the_default_patch_keeps_peak_memory_within_a_fifth_of_stocks(tmp_path):
-    """Fresh processes, the embedded model, the same 4 calls of mixed batch sizes: issue #19's target (the
-    process's peak resident memory with patch(model) at most 1.2x stock's)."""
+def test_a_few_short_calls_keep_the_patched_process_within_a_fifth_of_stocks_peak(tmp_path):
+    """Fresh processes, the embedded model, the same 3 short calls (batch 1-3, up to 32 tokens): the whole
+    process's peak, which loading the GGUF file sets for both, and the peak since loading, which the calls
+    set. Issue #19's 20 mixed calls up to batch 4 x 480 tokens are ``hf-accel bench --memory`` (slower than
+    this suite allows; 1.24x there, docs/benchmarks.md)."""
     from hf_accel.bench_cold import ColdConfig
     from hf_accel.bench_memory import run_memory_bench
     from hf_accel.models import default_model_file
@@ -188,3 +190,4 @@ def test_the_default_patch_keeps_peak_memory_within_a_fifth_of_stocks(tmp_path):
                                       calls=((32, 1), (16, 3), (16, 2)))
     assert stock.report_held_bytes is None and patched.report_held_bytes > 0
     assert patched.process_peak_mb <= 1.2 * stock.process_peak_mb
+    assert patched.last_call_mb <= 1.2 * stock.last_call_mb
