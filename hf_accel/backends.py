@@ -30,12 +30,16 @@ class Capabilities:
     :param dtypes: parameter dtypes it accepts; empty means any.
     :param sliding_window: whether it handles sliding-window attention layers.
     :param softcap: whether it handles attention logit soft-capping.
+    :param sharded_weights: whether it serves a model whose weights are sharded across processes
+        (``DTensor`` parameters: transformers' ``tp_plan``). Backends that read, repack or copy whole
+        weight matrices do not.
     """
 
     devices: tuple[str, ...] = ()
     dtypes: tuple[torch.dtype, ...] = ()
     sliding_window: bool = True
     softcap: bool = True
+    sharded_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -209,10 +213,22 @@ class Backend:
             return "does not support sliding-window attention, which this model uses"
         if needs["softcap"] and not caps.softcap:
             return "does not support attention logit soft-capping, which this model uses"
+        if not caps.sharded_weights and has_sharded_weights(context.model):
+            return ("needs whole weight matrices; this model's are sharded across processes (tp_plan), "
+                    "so it is left as it is")
         reason = self.why_unsuitable(context) if self.why_unsuitable else None
         if reason is None and self.memory_needed is not None:
             reason = shortfall(context.device, self.memory_needed(context))
         return reason
+
+
+def has_sharded_weights(model: torch.nn.Module) -> bool:
+    """Whether any parameter is a ``DTensor`` (a model loaded with ``tp_plan``, sharded across processes)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def model_needs(config: Any) -> dict[str, bool]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_accel import Backend, Option, PatchContext, hookimpl
+from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
 from hf_accel.cached_lm import CachedLM
 from hf_accel.generation import cache_keyword
 from hf_accel.kv_cache import Int8Layer, PreallocatedCache, PreallocatedLayer
@@ -83,6 +83,7 @@ def hf_accel_register_backends(register):
         feature="kv_cache",
         apply=install,
         why_unsuitable=why_unsuitable,
+        capabilities=Capabilities(sharded_weights=True),  # its caches take their shapes from the states
         probe="generate",
         priority=10,
         options={"cache_capacity": Option.integer(INITIAL_CAPACITY, maximum=1 << 20)},

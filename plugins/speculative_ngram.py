@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_accel import Backend, Option, PatchContext, hookimpl
+from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
 from hf_accel.speculative import Draft, DraftLength, SpeculativeLoop, install_runner, object_request_problem
 
 
@@ -59,6 +59,7 @@ def hf_accel_register_backends(register):
         feature="speculative",
         apply=install,
         why_unsuitable=object_request_problem,
+        capabilities=Capabilities(sharded_weights=True),  # drafts from the tokens; the target runs as it is
         probe="generate",
         priority=10,
         options={"ngram_size": Option.integer(3, maximum=64), "num_draft_tokens": Option.integer(10, maximum=64)},

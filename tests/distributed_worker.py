@@ -1,0 +1,68 @@
+"""Run under ``torchrun --nproc_per_node 2`` by tests/test_scaling.py: one set-up per run, greedy output of the
+patched model against stock on each process's own batch; rank 0 writes what every rank saw as JSON.
+
+    torchrun --nproc_per_node 2 tests/distributed_worker.py ddp|unwrap|tp OUT.json [MODEL_DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from conftest import left_padded_batch, make_tiny_model
+
+import hf_accel
+
+
+def greedy(model, ids, mask):
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+
+
+def main(setup: str, out: str, model_dir: str | None = None) -> None:
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    if setup == "tp":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto").eval()
+    else:
+        model = make_tiny_model("llama")
+    # Data parallel: each process its own batch; tensor parallel: every process the same one.
+    ids, mask = left_padded_batch(model, (7, 3, 5), seed=1 if setup == "tp" else rank + 1)
+    result = {"rank": rank, "world": accelerator.num_processes}
+    try:
+        expected = greedy(model, ids, mask)
+        if setup == "ddp":
+            wrapped = accelerator.prepare(model)
+            result["wrapper"] = type(wrapped).__name__
+            hf_accel.patch(wrapped)
+            got = greedy(accelerator.unwrap_model(wrapped), ids, mask)
+        elif setup == "unwrap":
+            inner = accelerator.unwrap_model(accelerator.prepare(model))
+            hf_accel.patch(inner)
+            got = greedy(inner, ids, mask)
+        else:
+            hf_accel.patch(model)
+            got = greedy(model, ids, mask)
+        report = hf_accel.report(model)
+        result.update(identical=bool(torch.equal(got, expected)),
+                      backends={name: f.backend for name, f in report.features.items()},
+                      accepted=report["speculative"].details.get("accepted"),
+                      skipped={s["backend"]: s["reason"] for f in report.features.values() for s in f.skipped})
+    except Exception as exc:  # noqa: BLE001 - the test reads what went wrong, from every rank
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-2000:]
+    gathered = gather_object([result])
+    if accelerator.is_main_process:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    accelerator.wait_for_everyone()
+    accelerator.state.destroy_process_group()  # left to interpreter exit, gloo's threads can abort the process
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
