@@ -30,16 +30,17 @@ class Capabilities:
     :param dtypes: parameter dtypes it accepts; empty means any.
     :param sliding_window: whether it handles sliding-window attention layers.
     :param softcap: whether it handles attention logit soft-capping.
-    :param sharded_weights: whether it serves a model whose weights are sharded across processes
-        (``DTensor`` parameters: transformers' ``tp_plan``). Backends that read, repack or copy whole
-        weight matrices do not.
+    :param partial_weights: whether it serves a model whose weights are not all whole and in place on this
+        process: sharded across processes (``DTensor`` parameters: transformers' ``tp_plan``) or offloaded by
+        accelerate (``device_map`` with ``"disk"``/``"cpu"`` offload: meta parameters, loaded per layer as it
+        runs). Backends that read, repack or copy whole weight matrices do not.
     """
 
     devices: tuple[str, ...] = ()
     dtypes: tuple[torch.dtype, ...] = ()
     sliding_window: bool = True
     softcap: bool = True
-    sharded_weights: bool = False
+    partial_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -213,22 +214,28 @@ class Backend:
             return "does not support sliding-window attention, which this model uses"
         if needs["softcap"] and not caps.softcap:
             return "does not support attention logit soft-capping, which this model uses"
-        if not caps.sharded_weights and has_sharded_weights(context.model):
-            return ("needs whole weight matrices; this model's are sharded across processes (tp_plan), "
-                    "so it is left as it is")
+        where = None if caps.partial_weights else partial_weights(context.model)
+        if where:
+            return f"needs whole weight matrices in place; this model's are {where}"
         reason = self.why_unsuitable(context) if self.why_unsuitable else None
         if reason is None and self.memory_needed is not None:
             reason = shortfall(context.device, self.memory_needed(context))
         return reason
 
 
-def has_sharded_weights(model: torch.nn.Module) -> bool:
-    """Whether any parameter is a ``DTensor`` (a model loaded with ``tp_plan``, sharded across processes)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
+def partial_weights(model: torch.nn.Module) -> str | None:
+    """Where a model's weights are when not all of them are whole and in place here (see
+    ``Capabilities.partial_weights``), in words; None when they are."""
+    params = list(model.parameters())
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+        if any(isinstance(p, DTensor) for p in params):
+            return "sharded across processes (tp_plan)"
+    if any(p.is_meta for p in params):
+        return ("offloaded until each layer runs (device_map with CPU or disk offload; load the model without "
+                "offload for this feature)")
+    return None
 
 
 def model_needs(config: Any) -> dict[str, bool]:

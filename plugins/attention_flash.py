@@ -181,7 +181,7 @@ def hf_accel_register_backends(register):
         feature="attention",
         apply=apply_sdpa_flash,
         why_unsuitable=lambda context: transformers_refusal(context, SDPA_FLASH),
-        capabilities=Capabilities(softcap=False, sharded_weights=True),
+        capabilities=Capabilities(softcap=False, partial_weights=True),
         priority=20,
         description="PyTorch's flash kernel (chosen on CUDA, picked by the dispatcher on CPU), GQA without repeating "
                     "keys/values",

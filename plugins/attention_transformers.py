@@ -12,7 +12,7 @@ def _transformers_backend(name: str, priority: int, description: str, **capabili
         feature="attention",
         apply=lambda context: set_attention(context, name),
         why_unsuitable=lambda context: transformers_refusal(context, name),
-        capabilities=Capabilities(sharded_weights=True, **capabilities),
+        capabilities=Capabilities(partial_weights=True, **capabilities),
         priority=priority,
         description=description,
     )

@@ -83,7 +83,7 @@ def hf_accel_register_backends(register):
         feature="kv_cache",
         apply=install,
         why_unsuitable=why_unsuitable,
-        capabilities=Capabilities(sharded_weights=True),  # its caches take their shapes from the states
+        capabilities=Capabilities(partial_weights=True),  # its caches take their shapes from the states
         probe="generate",
         priority=10,
         options={"cache_capacity": Option.integer(INITIAL_CAPACITY, maximum=1 << 20)},

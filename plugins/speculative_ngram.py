@@ -59,7 +59,7 @@ def hf_accel_register_backends(register):
         feature="speculative",
         apply=install,
         why_unsuitable=object_request_problem,
-        capabilities=Capabilities(sharded_weights=True),  # drafts from the tokens; the target runs as it is
+        capabilities=Capabilities(partial_weights=True),  # drafts from the tokens; the target runs as it is
         probe="generate",
         priority=10,
         options={"ngram_size": Option.integer(3, maximum=64), "num_draft_tokens": Option.integer(10, maximum=64)},

@@ -1,4 +1,4 @@
-"""Patched models in multi-process jobs: examples/accelerate_generate.py under accelerate's launcher."""
+"""Patched models in multi-process jobs (accelerate, torchrun, tensor parallelism) and offloaded models."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_tiny_model
+import torch
+import transformers
+from conftest import left_padded_batch, make_tiny_model
+
+import hf_accel
 
 pytest.importorskip("accelerate")
 
@@ -82,3 +86,25 @@ def test_a_model_patched_in_each_process_of_a_distributed_job_is_stock_token_for
             assert "sharded across processes (tp_plan)" in rank["skipped"]["inductor"]
         else:
             assert rank["backends"]["compile"] == "inductor"
+
+
+def test_a_model_with_a_layer_offloaded_to_disk_gets_what_serves_it_and_stock_tokens(tmp_path):
+    """accelerate's hooks load the offloaded layer's weights as it runs (its parameters are meta in between):
+    what needs whole weights is skipped with the reason and what to do; the rest applies, token-identical."""
+    make_tiny_model("llama").save_pretrained(tmp_path / "tiny")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", device_map=device_map,
+                                                              offload_folder=tmp_path / "offload").eval()
+    ids, mask = left_padded_batch(model)
+    generate = lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    expected = generate()
+    hf_accel.patch(model)
+    assert torch.equal(generate(), expected)
+    report = hf_accel.report(model)
+    assert report["compile"].backend is None and report["kv_cache"].backend == "static"
+    assert report["speculative"].backend == "ngram" and report["speculative"].details["accepted"] > 0
+    skipped = {s["backend"]: s["reason"] for s in report["compile"].skipped}
+    assert "offloaded until each layer runs" in skipped["inductor"] and "without offload" in skipped["inductor"]
+    hf_accel.unpatch(model)
+    assert torch.equal(generate(), expected)
