@@ -68,17 +68,38 @@ def load(tiny: bool, device: torch.device):
     return model, tokenizer
 
 
+def _as_list(ids: int | list[int] | None) -> list[int]:
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+
+def until_end_of_sequence(ids: list[int], end: set[int]) -> list[int]:
+    """A row's new tokens up to and including its first end-of-sequence token: what follows is the padding
+    of rows that finished before the batch did (a pad token inside an answer is kept)."""
+    for position, token in enumerate(ids):
+        if token in end:
+            return ids[:position + 1]
+    return ids
+
+
+def speculative_counts(model) -> dict[str, int]:
+    """Draft tokens proposed and accepted so far by a patched model (its patch's own probes included)."""
+    details = hf_accel.report(model)["speculative"].details
+    return {key: int(details.get(key) or 0) for key in ("drafted", "accepted")}
+
+
 def generate_shard(model, tokenizer, shard: list, batch_size: int, max_new_tokens: int, show: bool) -> list[dict]:
     """Greedy completions of ``shard`` (``(index, Prompt)`` pairs), in batches."""
+    end = set(_as_list(model.generation_config.eos_token_id))
     results = []
     for start in tqdm(range(0, len(shard), batch_size), desc="generate", disable=not show):
         batch = shard[start:start + batch_size]
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False,
                                                add_generation_prompt=True) for _, p in batch]
-        inputs = tokenizer(texts, return_tensors="pt", padding=True).to(model.device)
+        # The template already holds the special tokens; the tokenizer must not add a second BOS.
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         for (index, prompt), row in zip(batch, output[:, inputs["input_ids"].shape[1]:]):
-            ids = [int(t) for t in row if t != tokenizer.pad_token_id]
+            ids = until_end_of_sequence(row.tolist(), end)
             results.append({"index": index, "category": prompt.category, "name": prompt.name,
                             "completion": tokenizer.decode(ids, skip_special_tokens=True), "new_token_ids": ids})
     return results
@@ -91,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load(args.tiny, state.device)
     if not args.stock:
         model = hf_accel.patch(model)  # <- the one line
+    before = None if args.stock else speculative_counts(model)
     prompts = list(enumerate(load_prompts(args.prompts)))
     with state.split_between_processes(prompts) as shard:
         start = time.perf_counter()
@@ -98,10 +120,13 @@ def main(argv: list[str] | None = None) -> None:
                                  show=state.is_main_process)
         seconds = time.perf_counter() - start
     tokens = sum(len(r["new_token_ids"]) for r in results)
-    speculative = {} if args.stock else dict(hf_accel.report(model)["speculative"].details)
+    if before is None:
+        speculative = {"drafted": None, "accepted": None}
+    else:
+        speculative = {key: count - before[key] for key, count in speculative_counts(model).items()}
     stats = {"rank": state.process_index, "prompts": len(results), "new_tokens": tokens,
              "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None,
-             "drafted": speculative.get("drafted"), "accepted": speculative.get("accepted")}
+             **speculative}
     every_result, every_stats = gather_object(results), gather_object([stats])
     if state.is_main_process:
         with Path(args.out).open("w") as out:

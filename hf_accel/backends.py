@@ -235,6 +235,10 @@ def partial_weights(model: torch.nn.Module) -> str | None:
     if any(p.is_meta for p in params):
         return ("offloaded until each layer runs (device_map with CPU or disk offload; load the model without "
                 "offload for this feature)")
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        return (f"split across {', '.join(devices)} (device_map; load the model onto one device for this "
+                "feature)")
     return None
 
 

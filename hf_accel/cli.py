@@ -78,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--memory", action="store_true",
                        help="peak resident memory instead: each configuration (stock, patch(model), each --patch) "
                             "in a fresh process over the same 20 calls of mixed batch sizes and lengths")
+    bench.add_argument("--processes", type=int, metavar="N",
+                       help="a data-parallel job instead: examples/accelerate_generate.py on the embedded model, "
+                            "stock then patched, each as N processes under torchrun; job time, throughput, identity")
+    bench.add_argument("--batch-size", type=int, default=2, help="with --processes: prompts per generate call")
+    bench.add_argument("--job", help="with --processes: the job script (default: examples/ of this checkout)")
     bench.set_defaults(func=cmd_bench)
 
     attn = sub.add_parser("bench-attention", help="prefill attention per backend: time and extra memory")
@@ -227,6 +232,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_cold(args)
     if args.memory:
         return _bench_memory(args)
+    if args.processes is not None:
+        return _bench_processes(args)
     if args.max_new_tokens < 1 or args.repeat < 1:
         raise CLIError("--max-new-tokens and --repeat must be at least 1")
     prompts = load_prompts(args.prompts)
@@ -299,6 +306,39 @@ def _bench_memory(args: argparse.Namespace) -> int:
           f"calls (batch sizes 1-4, 32-128 new tokens):\n\n{format_memory_table(runs)}")
     if args.json:
         Path(args.json).write_text(json.dumps(memory_rows(runs), indent=2))
+    return 0
+
+
+def _bench_processes(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from .bench_processes import EXAMPLE_JOB, format_processes_table, run_processes_bench, write_processes_json
+
+    if args.processes < 1 or args.batch_size < 1 or args.max_new_tokens < 1 or args.repeat < 1:
+        raise CLIError("--processes, --batch-size, --max-new-tokens and --repeat must be at least 1")
+    if args.model is not None:
+        raise CLIError("--processes runs examples/accelerate_generate.py, which loads the embedded model; "
+                       "drop --model, or edit the job's load() for yours and pass it with --job")
+    job = Path(args.job) if args.job else EXAMPLE_JOB
+    flags = ["--max-new-tokens", str(args.max_new_tokens), "--batch-size", str(args.batch_size)]
+    if args.prompts:
+        flags += ["--prompts", args.prompts]
+    bar = tqdm(total=2 * args.repeat, desc=f"bench --processes {args.processes}", unit="job")
+
+    def progress(label: str) -> None:
+        bar.set_postfix_str(label)
+        bar.update(1)
+
+    with tempfile.TemporaryDirectory(prefix="hf_accel_processes_") as scratch:
+        try:
+            runs = run_processes_bench(args.processes, flags, scratch, args.repeat, job, progress)
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise CLIError(str(exc)) from None
+    bar.close()
+    print(f"\nThe job stock and patched, {args.processes} processes each (torchrun), medians of {args.repeat} "
+          f"launch(es):\n\n{format_processes_table(runs)}")
+    if args.json:
+        write_processes_json(runs, args.json)
     return 0
 
 

@@ -19,7 +19,8 @@ from .plugins import get_plugin_manager, plugin_manager_with
 from .report import FeatureReport, PatchReport, Verification
 from .state import STATE_ATTR, PatchState, get_state
 from .unwrap import unwrap_model
-from .verify import LOSSLESS_TOLERANCE, ProbeInputs, compare_logits, compare_tokens, forward_logits, greedy_tokens
+from .verify import (LOSSLESS_TOLERANCE, ProbeInputs, compare_logits, compare_tokens, execution_device,
+                     forward_logits, greedy_tokens)
 
 logger = logging.getLogger("hf_accel")
 
@@ -216,7 +217,10 @@ def _is_draft_model(feature: str, request: Any) -> bool:
 
 def _empty_report(model: torch.nn.Module) -> PatchReport:
     param = next(model.parameters(), None)
-    device = str(param.device) if param is not None else "?"
+    try:
+        device = str(execution_device(model))  # where it runs, not "meta" for an offloaded first layer
+    except ValueError:
+        device = str(param.device) if param is not None else "?"
     dtype = str(param.dtype).removeprefix("torch.") if param is not None else "?"
     return PatchReport(model=type(model).__name__, device=device, dtype=dtype,
                        features={name: FeatureReport(name) for name in FEATURE_NAMES})
@@ -241,15 +245,7 @@ def _argument_text(arguments: Mapping[str, Any]) -> str:
 
 
 def _model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
-    param = next(model.parameters(), None)
-    if param is None:
-        raise ValueError(f"{type(model).__name__} has no parameters to patch")
-    if param.device.type == "meta":
-        raise ValueError(
-            f"{type(model).__name__} has weights on the meta device; load it fully "
-            "(e.g. from_pretrained without device_map='meta') before hf_accel.patch"
-        )
-    return param.device, param.dtype
+    return execution_device(model), next(model.parameters()).dtype  # meta weights keep their dtype
 
 
 def _undo_all(changes: list[Changes]) -> None:

@@ -37,8 +37,28 @@ class ProbeInputs:
         mask = torch.ones_like(ids)
         ids[1, :_PROBE_PADDING] = pad
         mask[1, :_PROBE_PADDING] = 0
-        device = model.device
+        device = execution_device(model)
         return cls(ids.to(device), mask.to(device), pad)
+
+
+def execution_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's inputs go: its first weight's device or, when accelerate offloaded that weight (meta
+    until its layer runs), the device its hooks run offloaded layers on (the first accelerator in
+    ``hf_device_map``, else the CPU), as ``dispatch_model`` chooses it.
+
+    :raises ValueError: the weights are on the meta device and no ``device_map`` says where they run.
+    """
+    param = next(model.parameters(), None)
+    if param is None:
+        raise ValueError(f"{type(model).__name__} has no parameters to patch")
+    if not param.is_meta:
+        return param.device
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        raise ValueError(f"{type(model).__name__} has weights on the meta device and no device_map that places them; "
+                         "load it fully (from_pretrained without device_map='meta') before hf_accel.patch")
+    accelerators = [d for d in device_map.values() if d not in ("cpu", "disk")]
+    return torch.device(accelerators[0] if accelerators else "cpu")
 
 
 def _pad_token_id(model: PreTrainedModel) -> int:

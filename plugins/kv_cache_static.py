@@ -94,6 +94,7 @@ def hf_accel_register_backends(register):
         feature="kv_cache",
         apply=lambda context: install(context, Int8Layer),
         why_unsuitable=why_unsuitable,
+        capabilities=Capabilities(partial_weights=True),
         probe=None,  # lossy by design: the backend measures and reports its own cost instead
         lossless=False,
         options={"cache_capacity": Option.integer(INITIAL_CAPACITY, maximum=1 << 20)},

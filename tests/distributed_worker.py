@@ -40,18 +40,21 @@ def main(setup: str, out: str, model_dir: str | None = None) -> None:
             wrapped = accelerator.prepare(model)
             result["wrapper"] = type(wrapped).__name__
             hf_accel.patch(wrapped)
-            got = greedy(accelerator.unwrap_model(wrapped), ids, mask)
+            patched = accelerator.unwrap_model(wrapped)
         elif setup == "unwrap":
-            inner = accelerator.unwrap_model(accelerator.prepare(model))
-            hf_accel.patch(inner)
-            got = greedy(inner, ids, mask)
+            patched = accelerator.unwrap_model(accelerator.prepare(model))
+            hf_accel.patch(patched)
         else:
-            hf_accel.patch(model)
-            got = greedy(model, ids, mask)
+            patched = hf_accel.patch(model)
+        before = dict(hf_accel.report(model)["speculative"].details)  # the patch's own probes speculated already
+        got = greedy(patched, ids, mask)
         report = hf_accel.report(model)
+        after = report["speculative"].details
         result.update(identical=bool(torch.equal(got, expected)),
                       backends={name: f.backend for name, f in report.features.items()},
-                      accepted=report["speculative"].details.get("accepted"),
+                      calls=after.get("calls", 0) - before.get("calls", 0),
+                      accepted=after.get("accepted", 0) - before.get("accepted", 0),
+                      fallbacks=after.get("fallbacks_to_stock", 0) - before.get("fallbacks_to_stock", 0),
                       skipped={s["backend"]: s["reason"] for f in report.features.values() for s in f.skipped})
     except Exception as exc:  # noqa: BLE001 - the test reads what went wrong, from every rank
         result["error"] = f"{type(exc).__name__}: {exc}"
