@@ -1,7 +1,8 @@
 """Data-parallel batched generation with accelerate; hf_accel is the one marked line.
 
 Each process takes its shard of a JSONL prompt file, generates in batches, and the main process writes every
-result, in the file's order, with each process's tokens/s and speculative statistics::
+result, in the file's order, to ``--out``, and each process's tokens/s and speculative statistics (its own
+calls', not the patch's probes') to ``OUT.stats.json``::
 
     accelerate launch --num_processes 2 examples/accelerate_generate.py --prompts prompts.jsonl --out results.jsonl
     torchrun --nproc_per_node 2 examples/accelerate_generate.py --tiny --out results.jsonl   # 2 CPU processes
@@ -105,15 +106,20 @@ def generate_shard(model, tokenizer, shard: list, batch_size: int, max_new_token
     return results
 
 
+def has_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6; CUDA alone before
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    prompts = list(enumerate(load_prompts(args.prompts)))  # a bad file stops the job before any model loads
     # Without an accelerator (or with `accelerate launch --cpu`) the processes run on the CPU over gloo.
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.accelerator.is_available())
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not has_accelerator())
     model, tokenizer = load(args.tiny, state.device)
     if not args.stock:
         model = hf_accel.patch(model)  # <- the one line
-    before = None if args.stock else speculative_counts(model)
-    prompts = list(enumerate(load_prompts(args.prompts)))
+    before = None if args.stock else speculative_counts(model)  # the patch's probes speculated already
     with state.split_between_processes(prompts) as shard:
         start = time.perf_counter()
         results = generate_shard(model, tokenizer, shard, args.batch_size, args.max_new_tokens,
@@ -125,16 +131,19 @@ def main(argv: list[str] | None = None) -> None:
     else:
         speculative = {key: count - before[key] for key, count in speculative_counts(model).items()}
     stats = {"rank": state.process_index, "prompts": len(results), "new_tokens": tokens,
-             "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None,
+             "generate_s": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None,
              **speculative}
     every_result, every_stats = gather_object(results), gather_object([stats])
     if state.is_main_process:
-        with Path(args.out).open("w") as out:
+        out = Path(args.out)
+        with out.open("w") as f:
             for result in sorted(every_result, key=lambda r: r["index"]):
-                out.write(json.dumps(result) + "\n")
+                f.write(json.dumps(result) + "\n")
+        stats_file = out.with_name(out.name + ".stats.json")
+        stats_file.write_text(json.dumps({"processes": state.num_processes, "ranks": every_stats}, indent=1))
         for s in every_stats:
             print(json.dumps(s))
-        print(f"{len(every_result)} results written to {args.out}")
+        print(f"{len(every_result)} results written to {out}, each process's statistics to {stats_file}")
     state.wait_for_everyone()
     state.destroy_process_group()
 

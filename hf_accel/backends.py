@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
@@ -34,6 +35,9 @@ class Capabilities:
         process: sharded across processes (``DTensor`` parameters: transformers' ``tp_plan``) or offloaded by
         accelerate (``device_map`` with ``"disk"``/``"cpu"`` offload: meta parameters, loaded per layer as it
         runs). Backends that read, repack or copy whole weight matrices do not.
+    :param split_devices: whether it serves a model whose layers ``device_map`` placed on several devices,
+        making what it makes (caches, quantized weights) on each layer's own device. ``partial_weights``
+        implies it.
     """
 
     devices: tuple[str, ...] = ()
@@ -41,6 +45,7 @@ class Capabilities:
     sliding_window: bool = True
     softcap: bool = True
     partial_weights: bool = False
+    split_devices: bool = False
 
 
 @dataclass(frozen=True)
@@ -217,6 +222,10 @@ class Backend:
         where = None if caps.partial_weights else partial_weights(context.model)
         if where:
             return f"needs whole weight matrices in place; this model's are {where}"
+        devices = [] if caps.partial_weights or caps.split_devices else weight_devices(context.model)
+        if len(devices) > 1:
+            return (f"needs the model on one device; device_map split it across {', '.join(devices)} (load it "
+                    "onto one device for this feature)")
         reason = self.why_unsuitable(context) if self.why_unsuitable else None
         if reason is None and self.memory_needed is not None:
             reason = shortfall(context.device, self.memory_needed(context))
@@ -226,20 +235,18 @@ class Backend:
 def partial_weights(model: torch.nn.Module) -> str | None:
     """Where a model's weights are when not all of them are whole and in place here (see
     ``Capabilities.partial_weights``), in words; None when they are."""
-    params = list(model.parameters())
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor
-
-        if any(isinstance(p, DTensor) for p in params):
-            return "sharded across processes (tp_plan)"
-    if any(p.is_meta for p in params):
+    tensors = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor can exist
+    if tensors is not None and any(isinstance(p, tensors.DTensor) for p in model.parameters()):
+        return "sharded across processes (tp_plan)"
+    if any(p.is_meta for p in model.parameters()):
         return ("offloaded until each layer runs (device_map with CPU or disk offload; load the model without "
                 "offload for this feature)")
-    devices = sorted({str(p.device) for p in params})
-    if len(devices) > 1:
-        return (f"split across {', '.join(devices)} (device_map; load the model onto one device for this "
-                "feature)")
     return None
+
+
+def weight_devices(model: torch.nn.Module) -> list[str]:
+    """The devices the model's weights are on, sorted (more than one: ``device_map`` split it)."""
+    return sorted({str(p.device) for p in model.parameters()})
 
 
 def model_needs(config: Any) -> dict[str, bool]:

@@ -2,8 +2,10 @@
 patched, each launched as N fresh processes by ``torchrun``, side by side.
 
 What a user of such a job pays and gets: the wall time of the whole job (start-up, loading, patching, the
-generation), the generation's own throughput summed over the processes, and whether the patched job wrote the
-stock job's tokens. Runs alternate (stock, patched, stock, ...) so a drift of the machine spreads over both.
+generation), the generation's throughput (every process's new tokens over the slowest process's generating
+time, since the job waits for it), and whether the patched job wrote the stock job's tokens. Launches alternate
+(stock, patched, stock, ...) so a drift of the machine spreads over both, and each starts with empty caches,
+as a first job does.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class JobRun:
     config: str  # "stock" or "patch(model)"
     processes: int
     wall_s: float  # launcher start to exit: start-up, loading, patching, generation
-    ranks: list[dict[str, Any]]  # what each process printed: prompts, new_tokens, tokens_per_s, drafted, accepted
+    ranks: list[dict[str, Any]]  # each process's prompts, new_tokens, generate_s, drafted, accepted
     new_token_ids: list[list[int]]  # every prompt's new tokens, in the prompt file's order
 
     @property
@@ -38,9 +40,13 @@ class JobRun:
         return sum(len(ids) for ids in self.new_token_ids)
 
     @property
-    def generate_tokens_per_s(self) -> float:
-        """The processes' generation throughput, summed (each process's tokens over its generating time)."""
-        return sum(r["tokens_per_s"] or 0.0 for r in self.ranks)
+    def generate_s(self) -> float:
+        """The slowest process's generating time: the job's generation ends with it."""
+        return max(r["generate_s"] for r in self.ranks)
+
+
+class LaunchError(RuntimeError):
+    """A launch that failed or ran past its time; its processes are gone."""
 
 
 def launch_command(job: Path, processes: int, out: Path, flags: list[str]) -> list[str]:
@@ -49,25 +55,64 @@ def launch_command(job: Path, processes: int, out: Path, flags: list[str]) -> li
             str(job), "--out", str(out), *flags]
 
 
-def run_job(job: Path, processes: int, out: Path, flags: list[str], stock: bool, timeout: float = 3600) -> JobRun:
-    """One launch of the job; its processes are killed as a group if it runs past ``timeout`` seconds."""
-    command = launch_command(job, processes, out, [*flags, "--stock"] if stock else flags)
-    start = time.perf_counter()
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:
+def run_launch(command: list[str], env: dict[str, str] | None = None, timeout: float = 3600,
+               grace: float = 15) -> subprocess.CompletedProcess:
+    """Run a launcher (torchrun, ``accelerate launch``) to its end. Past ``timeout`` it is asked to stop its
+    workers (SIGTERM, which torchrun passes on), and after ``grace`` seconds every process it started is
+    killed: torchrun starts each worker in a session of its own, out of reach of a signal to its group.
+
+    :raises LaunchError: it ran past ``timeout``; the message holds the end of its output.
+    """
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            raise RuntimeError(f"the job ran past {timeout:.0f} s: {' '.join(command)}") from None
+            started = _descendants(process.pid)  # read before they are orphaned and the tree is lost
+            process.terminate()
+            try:
+                process.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+            for pid in (process.pid, *started):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _, stderr = process.communicate()
+            raise LaunchError(f"{' '.join(command)} ran past {timeout:.0f} s; the end of its output:\n"
+                              f"{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _descendants(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return children + [grandchild for child in children for grandchild in _descendants(child)]
+
+
+def run_job(job: Path, processes: int, out: Path, flags: list[str], stock: bool, cache: Path,
+            timeout: float = 3600) -> JobRun:
+    """One launch of the job, with ``cache`` as its (empty) compile cache."""
+    command = launch_command(job, processes, out, [*flags, "--stock"] if stock else flags)
+    env = {**os.environ, "HF_ACCEL_CACHE": str(cache)}
+    start = time.perf_counter()
+    done = run_launch(command, env, timeout)
     wall = time.perf_counter() - start
-    if process.returncode != 0:
-        raise RuntimeError(f"the job failed (exit {process.returncode}): {' '.join(command)}\n{stderr[-2000:]}")
-    ranks = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"rank"')]
+    if done.returncode != 0:
+        raise LaunchError(f"the job failed (exit {done.returncode}): {' '.join(command)}\n{done.stderr[-2000:]}")
+    stats = json.loads(stats_path(out).read_text())
     results = [json.loads(line) for line in out.read_text().splitlines()]
     return JobRun(config="stock" if stock else "patch(model)", processes=processes, wall_s=wall,
-                  ranks=sorted(ranks, key=lambda r: r["rank"]), new_token_ids=[r["new_token_ids"] for r in results])
+                  ranks=stats["ranks"], new_token_ids=[r["new_token_ids"] for r in results])
+
+
+def stats_path(out: Path) -> Path:
+    """Where the job writes its per-process statistics, beside its results."""
+    return out.with_name(out.name + ".stats.json")
 
 
 def run_processes_bench(processes: int, flags: list[str], scratch: str | Path, repeat: int = 1,
@@ -81,33 +126,33 @@ def run_processes_bench(processes: int, flags: list[str], scratch: str | Path, r
     runs = []
     for attempt in range(repeat):
         for stock in (True, False):
-            out = Path(scratch) / f"results-{attempt}-{'stock' if stock else 'patched'}.jsonl"
-            runs.append(run_job(job, processes, out, flags, stock, timeout))
+            name = f"{attempt}-{'stock' if stock else 'patched'}"
+            runs.append(run_job(job, processes, Path(scratch) / f"results-{name}.jsonl", flags, stock,
+                                Path(scratch) / f"cache-{name}", timeout))
             if progress:
                 progress(runs[-1].config)
     return runs
 
 
 def format_processes_table(runs: list[JobRun]) -> str:
-    """Medians over the repeats; "identical": prompts whose tokens equal the stock job's."""
-    stock = next(r for r in runs if r.config == "stock")
-    lines = [("config", "processes", "job wall s", "x stock", "job tok/s", "generate tok/s (sum)", "x stock",
-              "per process tok/s", "accepted / drafted", "identical")]
-    medians = {}
-    for config in dict.fromkeys(r.config for r in runs):
-        mine = [r for r in runs if r.config == config]
-        medians[config] = (statistics.median(r.wall_s for r in mine),
-                           statistics.median(r.generate_tokens_per_s for r in mine))
-    for config, (wall, speed) in medians.items():
-        last = [r for r in runs if r.config == config][-1]
-        per_process = " / ".join(f"{r['tokens_per_s']:.1f}" for r in last.ranks)
-        drafted = sum(r.get("drafted") or 0 for r in last.ranks)
-        accepted = sum(r.get("accepted") or 0 for r in last.ranks)
-        same = sum(a == b for a, b in zip(last.new_token_ids, stock.new_token_ids))
-        lines.append((config, str(last.processes), f"{wall:.1f}", f"{medians['stock'][0] / wall:.2f}x",
-                      f"{last.new_tokens / wall:.1f}", f"{speed:.1f}", f"{speed / medians['stock'][1]:.2f}x",
-                      per_process, f"{accepted} / {drafted}" if drafted else "-",
-                      "-" if config == "stock" else f"{same}/{len(stock.new_token_ids)}"))
+    """Medians over the launches of each configuration; "identical": prompts whose tokens equal the stock
+    job's in every launch."""
+    reference = next(r for r in runs if r.config == "stock").new_token_ids
+    configs = {config: [r for r in runs if r.config == config] for config in dict.fromkeys(r.config for r in runs)}
+    wall = {config: statistics.median(r.wall_s for r in mine) for config, mine in configs.items()}
+    speed = {config: statistics.median(r.new_tokens / r.generate_s for r in mine) for config, mine in configs.items()}
+    lines = [("config", "processes", "job wall s", "x stock", "generate tok/s", "x stock", "per process generate s",
+              "accepted / drafted (all launches)", "identical")]
+    for config, mine in configs.items():
+        ranks = range(len(mine[0].ranks))
+        per_process = " / ".join(f"{statistics.median(r.ranks[i]['generate_s'] for r in mine):.1f}" for i in ranks)
+        drafted = sum(rank["drafted"] or 0 for r in mine for rank in r.ranks)
+        accepted = sum(rank["accepted"] or 0 for r in mine for rank in r.ranks)
+        same = min(sum(a == b for a, b in zip(r.new_token_ids, reference)) for r in mine)
+        lines.append((config, str(mine[0].processes), f"{wall[config]:.1f}", f"{wall['stock'] / wall[config]:.2f}x",
+                      f"{speed[config]:.1f}", f"{speed[config] / speed['stock']:.2f}x", per_process,
+                      f"{accepted} / {drafted}" if drafted else "-",
+                      "-" if config == "stock" else f"{same}/{len(reference)}"))
     return markdown_table(lines)
 
 

@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--processes", type=int, metavar="N",
                        help="a data-parallel job instead: examples/accelerate_generate.py on the embedded model, "
                             "stock then patched, each as N processes under torchrun; job time, throughput, identity")
-    bench.add_argument("--batch-size", type=int, default=2, help="with --processes: prompts per generate call")
+    bench.add_argument("--batch-size", type=int, help="with --processes: prompts per generate call (default 2)")
     bench.add_argument("--job", help="with --processes: the job script (default: examples/ of this checkout)")
     bench.set_defaults(func=cmd_bench)
 
@@ -228,12 +228,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .bench import default_configs, format_table, plot, run_bench, summary_table, write_json
 
+    if args.processes is not None:
+        return _bench_processes(args)
+    if args.batch_size is not None or args.job is not None:
+        raise CLIError("--batch-size and --job go with --processes N")
     if args.cold:
         return _bench_cold(args)
     if args.memory:
         return _bench_memory(args)
-    if args.processes is not None:
-        return _bench_processes(args)
     if args.max_new_tokens < 1 or args.repeat < 1:
         raise CLIError("--max-new-tokens and --repeat must be at least 1")
     prompts = load_prompts(args.prompts)
@@ -312,15 +314,27 @@ def _bench_memory(args: argparse.Namespace) -> int:
 def _bench_processes(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from .bench_processes import EXAMPLE_JOB, format_processes_table, run_processes_bench, write_processes_json
+    from .bench_processes import (EXAMPLE_JOB, LaunchError, format_processes_table, run_processes_bench,
+                                  write_processes_json)
 
-    if args.processes < 1 or args.batch_size < 1 or args.max_new_tokens < 1 or args.repeat < 1:
+    batch_size = 2 if args.batch_size is None else args.batch_size
+    if min(args.processes, batch_size, args.max_new_tokens, args.repeat) < 1:
         raise CLIError("--processes, --batch-size, --max-new-tokens and --repeat must be at least 1")
-    if args.model is not None:
+    if args.model is not None or args.gguf_file is not None:
         raise CLIError("--processes runs examples/accelerate_generate.py, which loads the embedded model; "
                        "drop --model, or edit the job's load() for yours and pass it with --job")
+    ignored = [flag for flag, given in [("--cold", args.cold), ("--memory", args.memory), ("--patch", args.patch),
+                                        ("--quantize", args.quantize), ("--configs", args.configs),
+                                        ("--generate", args.generate), ("--all-prompts", args.all_prompts),
+                                        ("--against", args.against), ("--plot", args.plot)] if given]
+    if ignored:
+        raise CLIError(f"--processes runs the job as it is, stock and patch(model); it takes no {', '.join(ignored)}")
+    if torch.cuda.is_available() and args.processes > torch.cuda.device_count():
+        raise CLIError(f"--processes {args.processes}: torchrun gives each process a GPU of its own, and this machine "
+                       f"has {torch.cuda.device_count()}")
+    load_prompts(args.prompts)  # a bad file is reported now, not after N processes have loaded the model
     job = Path(args.job) if args.job else EXAMPLE_JOB
-    flags = ["--max-new-tokens", str(args.max_new_tokens), "--batch-size", str(args.batch_size)]
+    flags = ["--max-new-tokens", str(args.max_new_tokens), "--batch-size", str(batch_size)]
     if args.prompts:
         flags += ["--prompts", args.prompts]
     bar = tqdm(total=2 * args.repeat, desc=f"bench --processes {args.processes}", unit="job")
@@ -332,7 +346,7 @@ def _bench_processes(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="hf_accel_processes_") as scratch:
         try:
             runs = run_processes_bench(args.processes, flags, scratch, args.repeat, job, progress)
-        except (FileNotFoundError, RuntimeError) as exc:
+        except (FileNotFoundError, LaunchError) as exc:
             raise CLIError(str(exc)) from None
     bar.close()
     print(f"\nThe job stock and patched, {args.processes} processes each (torchrun), medians of {args.repeat} "

@@ -43,22 +43,31 @@ class ProbeInputs:
 
 def execution_device(model: torch.nn.Module) -> torch.device:
     """Where the model's inputs go: its first weight's device or, when accelerate offloaded that weight (meta
-    until its layer runs), the device its hooks run offloaded layers on (the first accelerator in
-    ``hf_device_map``, else the CPU), as ``dispatch_model`` chooses it.
+    until its layer runs), the device accelerate's hook on that layer runs it on.
 
-    :raises ValueError: the weights are on the meta device and no ``device_map`` says where they run.
+    :raises ValueError: the weights are on the meta device and no accelerate hook says where they run.
     """
-    param = next(model.parameters(), None)
+    name, param = next(iter(model.named_parameters()), (None, None))
     if param is None:
         raise ValueError(f"{type(model).__name__} has no parameters to patch")
     if not param.is_meta:
         return param.device
-    device_map = getattr(model, "hf_device_map", None)
-    if not device_map:
-        raise ValueError(f"{type(model).__name__} has weights on the meta device and no device_map that places them; "
-                         "load it fully (from_pretrained without device_map='meta') before hf_accel.patch")
-    accelerators = [d for d in device_map.values() if d not in ("cpu", "disk")]
-    return torch.device(accelerators[0] if accelerators else "cpu")
+    path = name.split(".")[:-1]
+    for depth in range(len(path), -1, -1):  # the weight's own module first, then each module around it
+        device = _hook_execution_device(model.get_submodule(".".join(path[:depth])))
+        if device is not None:
+            return device
+    raise ValueError(f"{type(model).__name__} has weights on the meta device and no device_map that places them; "
+                     "load it fully (from_pretrained without device_map='meta') before hf_accel.patch")
+
+
+def _hook_execution_device(module: torch.nn.Module) -> torch.device | None:
+    hook = getattr(module, "_hf_hook", None)
+    for each in getattr(hook, "hooks", (hook,)):  # accelerate's SequentialHook holds several
+        device = getattr(each, "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    return None
 
 
 def _pad_token_id(model: PreTrainedModel) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.masking_utils import flash_attention_mask
 
-from hf_accel import Backend, PatchContext, hookimpl
+from hf_accel import Backend, Capabilities, PatchContext, hookimpl
 from hf_accel.attention import head_dim, register_implementation, set_attention, transformers_refusal
 
 TRITON_FLASH = "hf_accel_triton_fa"
@@ -155,6 +155,7 @@ def hf_accel_register_backends(register):
         apply=lambda context: set_attention(context, TRITON_FLASH),
         why_unavailable=triton_problem,
         why_unsuitable=triton_unsuitable,
+        capabilities=Capabilities(partial_weights=True),  # the kernel sees activations, not weights
         priority=25,
         description="FlashAttention-2 forward written in Triton (online softmax, GQA, window, softcap, padding)",
     ))

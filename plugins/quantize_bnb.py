@@ -128,7 +128,9 @@ def hf_accel_register_backends(register):
         feature="quantize",
         apply=quantize,
         why_unavailable=bnb_problem,
-        capabilities=Capabilities(devices=("cpu", "cuda"), dtypes=(torch.float32, torch.float16, torch.bfloat16)),
+        # Each quantized layer is made on its own weight's device, so a model split by device_map stays split.
+        capabilities=Capabilities(devices=("cpu", "cuda"), dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                                  split_devices=True),
         priority=5,
         lossless=False,
         tolerance=0.9,  # 4-bit moves logits far (SmolLM2 nf4: 0.77 on the probe, perplexity +18%); this catches broken output

@@ -174,6 +174,7 @@ def hf_accel_register_backends(register):
         feature="speculative",
         apply=install_draft_model,
         why_unsuitable=draft_model_problem,
+        capabilities=Capabilities(partial_weights=True),  # the draft is a model of its own; the target runs as it is
         probe="generate",
         priority=20,
         options={"draft_model": Option.any_of(None, lambda v: v is None or isinstance(v, PreTrainedModel),

@@ -1,7 +1,7 @@
 """Run under ``torchrun --nproc_per_node 2`` by tests/test_scaling.py: one set-up per run, greedy output of the
 patched model against stock on each process's own batch; rank 0 writes what every rank saw as JSON.
 
-    torchrun --nproc_per_node 2 tests/distributed_worker.py ddp|unwrap|tp OUT.json [MODEL_DIR]
+    torchrun --nproc_per_node 2 tests/distributed_worker.py ddp|unwrap|tp|offload OUT.json [MODEL_DIR]
 """
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import InitProcessGroupKwargs, gather_object
 from conftest import left_padded_batch, make_tiny_model
+from transformers import AutoModelForCausalLM
 
 import hf_accel
 
@@ -23,12 +25,16 @@ def greedy(model, ids, mask):
 
 
 def main(setup: str, out: str, model_dir: str | None = None) -> None:
-    accelerator = Accelerator(cpu=True)
+    # A peer that died leaves the other waiting in a collective: a short timeout turns that into an error.
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=120))])
     rank = accelerator.process_index
     if setup == "tp":
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto").eval()
+    elif setup == "offload":  # the first weights and a layer wait on disk until they run
+        device_map = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk",
+                      "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+        model = AutoModelForCausalLM.from_pretrained(model_dir, device_map=device_map,
+                                                     offload_folder=f"{model_dir}/offload-{rank}").eval()
     else:
         model = make_tiny_model("llama")
     # Data parallel: each process its own batch; tensor parallel: every process the same one.

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import transformers
 from conftest import left_padded_batch, make_tiny_model
 
 import hf_accel
+from hf_accel.bench_processes import LaunchError, run_launch, stats_path
 
 pytest.importorskip("accelerate")
 
@@ -30,26 +32,39 @@ def free_port() -> int:
 
 
 def run_processes(command: list[str], cache: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run a launcher and the processes it starts, on the CPU even where a GPU is present; past ``timeout``
-    the whole process group is killed, so no worker outlives the test waiting on a dead peer."""
-    env = {**os.environ, "HF_ACCEL_CACHE": str(cache), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            pytest.fail(f"{command[:4]} ran past {timeout} s; the last of its output:\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    """Run a launcher and the processes it starts, on the CPU even where a GPU is present, with no accelerate
+    config of the user's (``HF_HOME`` is where accelerate looks for one); none outlives a hang."""
+    env = {**os.environ, "HF_ACCEL_CACHE": str(cache), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "HF_HOME": str(cache / "hf_home")}
+    try:
+        return run_launch(command, env, timeout)
+    except LaunchError as exc:
+        pytest.fail(str(exc))
 
 
 def run_job(launcher: list[str], out: Path, *flags: str, cache: Path) -> list[dict]:
-    """Run the example; the ranks' statistics it prints, one JSON object a line."""
+    """Run the example; the statistics of each process, as it writes them beside its results."""
     done = run_processes([*launcher, str(SCRIPT), "--tiny", "--max-new-tokens", "16", "--out", str(out), *flags],
                          cache)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"rank"')]
+    return json.loads(stats_path(out).read_text())["ranks"]
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("accelerate_generate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_job_keeps_each_answer_to_its_first_end_of_sequence_token_and_no_further():
+    """Rows that finished before their batch are padded after their EOS; a pad-valued token inside an answer
+    (SmolLM2's pad is not its EOS, but a model's may share ids with real tokens) stays."""
+    cut = load_example().until_end_of_sequence
+    assert cut([5, 9, 2, 0, 0], {2}) == [5, 9, 2]
+    assert cut([0, 7, 0, 2, 2], {2}) == [0, 7, 0, 2]
+    assert cut([5, 9, 11], {2}) == [5, 9, 11]
+    assert cut([3, 5, 4], {4, 3}) == [3]
 
 
 def test_two_processes_gather_in_order_what_one_stock_process_makes(tmp_path):
@@ -77,13 +92,14 @@ def torchrun(*args: str, cache: Path) -> subprocess.CompletedProcess:
                           *args], cache)
 
 
-@pytest.mark.parametrize("setup", ["ddp", "unwrap", "tp"])
+@pytest.mark.parametrize("setup", ["ddp", "unwrap", "tp", "offload"])
 def test_a_model_patched_in_each_process_of_a_distributed_job_is_stock_token_for_token(setup, tmp_path):
     """Two processes over gloo: a model accelerate wrapped in DistributedDataParallel (patched through the
-    wrapper), the model ``unwrap_model`` gives back, and a model loaded with ``tp_plan="auto"`` (weights
-    sharded as DTensors: what needs whole weights is skipped with the reason, the rest applies)."""
+    wrapper), the model ``unwrap_model`` gives back, a model loaded with ``tp_plan="auto"`` (weights sharded
+    as DTensors) and one loaded with ``device_map`` over the CPU and disk, in each process: what needs whole
+    weights is skipped with the reason, the rest applies)."""
     model_dir = tmp_path / "tiny"
-    if setup == "tp":
+    if setup in ("tp", "offload"):
         make_tiny_model("llama").save_pretrained(model_dir)
     out = tmp_path / "ranks.json"
     done = torchrun(str(WORKER), setup, str(out), str(model_dir), cache=tmp_path / "cache")
@@ -97,9 +113,11 @@ def test_a_model_patched_in_each_process_of_a_distributed_job_is_stock_token_for
             assert rank["wrapper"] == "DistributedDataParallel"
         if setup == "tp":  # the ranks run one model together: they must choose alike (nothing rank-local decides)
             assert rank["backends"] == ranks[0]["backends"]
+        if setup in ("tp", "offload"):
+            where = "sharded across processes (tp_plan)" if setup == "tp" else "offloaded until each layer runs"
             assert rank["backends"]["compile"] is None and rank["backends"]["speculative"] == "ngram"
-            assert rank["backends"]["kv_cache"] == "static"
-            assert "sharded across processes (tp_plan)" in rank["skipped"]["inductor"]
+            assert rank["backends"]["kv_cache"] == "static" and rank["backends"]["attention"] == "sdpa_flash"
+            assert where in rank["skipped"]["inductor"]
         else:
             assert rank["backends"]["compile"] == "inductor"
 
@@ -148,11 +166,66 @@ def test_bench_processes_launches_the_job_stock_and_patched_and_compares_their_t
     assert "| patch(model) | 2 " in table and "| 8/8 " in table
 
 
-def test_bench_processes_refuses_what_it_cannot_run(capsys):
+def test_bench_processes_refuses_what_it_cannot_run_before_launching_anything(capsys, tmp_path):
     from hf_accel.cli import main
 
-    assert main(["bench", "--processes", "0"]) == 2
-    assert main(["bench", "--processes", "2", "--job", "missing.py"]) == 2
-    assert main(["bench", "--processes", "2", "--model", "some/dir"]) == 2
-    err = capsys.readouterr().err
-    assert "--processes, --batch-size" in err and "no job at missing.py" in err and "drop --model" in err
+    refusals = {("--processes", "0"): "--processes, --batch-size",
+                ("--processes", "2", "--job", str(tmp_path / "missing.py")): "no job at",
+                ("--processes", "2", "--model", "some/dir"): "drop --model",
+                ("--processes", "2", "--memory", "--patch", "compile=None"): "takes no --memory, --patch",
+                ("--batch-size", "4",): "--batch-size and --job go with --processes N",
+                ("--processes", "2", "--prompts", str(tmp_path / "none.jsonl")): "No prompts file"}
+    for flags, message in refusals.items():
+        assert main(["bench", *flags]) == 2
+        assert message in capsys.readouterr().err, flags
+
+
+def test_a_model_split_across_devices_keeps_what_serves_it(monkeypatch):
+    """What a device_map over several accelerators looks like to the backends (simulated: this machine has one
+    device): those that make whole-model copies or graphs are skipped with the reason; attention, the cache
+    (per layer, from each layer's states) and prompt lookup apply, token-identical."""
+    import hf_accel.backends
+
+    model = make_tiny_model("llama")
+    ids, mask = left_padded_batch(model)
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    monkeypatch.setattr(hf_accel.backends, "weight_devices", lambda model: ["cpu", "cuda:0"])
+    hf_accel.patch(model)
+    try:
+        assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False),
+                           expected)
+        report = hf_accel.report(model)
+        assert report["compile"].backend is None and report["speculative"].backend == "ngram"
+        assert report["kv_cache"].backend == "static" and report["attention"].backend == "sdpa_flash"
+        skipped = {s["backend"]: s["reason"] for f in report.features.values() for s in f.skipped}
+        assert "device_map split it across cpu, cuda:0" in skipped["inductor"]
+        assert "device_map split it across cpu, cuda:0" in skipped["self_int4"]
+    finally:
+        hf_accel.unpatch(model)
+
+
+def test_a_launch_that_hangs_is_stopped_with_every_worker_it_started(tmp_path):
+    """torchrun starts each worker in a session of its own: stopping the launcher's process group alone
+    would leave them running (blocked, in a real job, on a peer that is gone)."""
+    hang = tmp_path / "hang.py"
+    hang.write_text("import os, sys, time\n"
+                    "open(sys.argv[1] + os.environ['RANK'], 'w').write(str(os.getpid()))\n"
+                    "time.sleep(600)\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(hang),
+               str(tmp_path / "pid")]
+    with pytest.raises(LaunchError, match="ran past 8 s"):
+        run_launch(command, {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=8, grace=2)
+    pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in pids)
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper (a container's first process may never reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -174,7 +174,7 @@ def test_model_card_style_settings_and_stop_strings_keep_speculation_and_stocks_
         hf_accel.unpatch(model)
 
 
-def test_a_few_short_calls_keep_the_patched_process_within_a_fifth_of_stocks_peak(tmp_path):
+def test_a_few_short_calls_cost_the_process_about_what_the_report_says_the_patch_holds(tmp_path):
     """Fresh processes, the embedded model, the same 3 short calls (batch 1-3, up to 32 tokens): the whole
     process's peak, which loading the GGUF file sets for both, and the peak since loading, which the calls
     set. Issue #19's 20 mixed calls up to batch 4 x 480 tokens are ``hf-accel bench --memory`` (slower than
@@ -189,10 +189,10 @@ def test_a_few_short_calls_keep_the_patched_process_within_a_fifth_of_stocks_pea
                                       [ColdConfig("stock", None), ColdConfig("patch(model)", {})], tmp_path,
                                       calls=((32, 1), (16, 3), (16, 2)))
     assert stock.report_held_bytes is None and patched.report_held_bytes > 0
-    assert patched.process_peak_mb <= 1.2 * stock.process_peak_mb
-    # Since loading, the calls' peak: what the patched process holds beyond stock's is what the report says the
-    # patch holds (the packed head, the int4 draft, the caches), give or take the allocator's noise between two
-    # processes; 1.18x-1.21x stock measured, so the ratio is bounded with a margin, the accounting tightly.
+    assert patched.process_peak_mb <= 1.2 * stock.process_peak_mb  # 1.10x measured
+    # Since loading, the calls' peak: what the patched process holds beyond stock's is about what the report
+    # says the patch holds (266 MiB: the packed head, the int4 draft, the caches). Stock's own peak after
+    # these calls moves by ~80 MiB between runs (1065-1149 MiB measured), hence the margins; a ratio to it
+    # would be noise.
     held_mb = patched.report_held_bytes / 2**20
-    assert patched.last_call_mb - stock.last_call_mb <= held_mb + 48
-    assert patched.last_call_mb <= 1.25 * stock.last_call_mb
+    assert held_mb / 2 <= patched.last_call_mb - stock.last_call_mb <= held_mb + 96
