@@ -16,6 +16,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,40 +59,61 @@ def launch_command(job: Path, processes: int, out: Path, flags: list[str]) -> li
 def run_launch(command: list[str], env: dict[str, str] | None = None, timeout: float = 3600,
                grace: float = 15) -> subprocess.CompletedProcess:
     """Run a launcher (torchrun, ``accelerate launch``) to its end. Past ``timeout`` it is asked to stop its
-    workers (SIGTERM, which torchrun passes on), and after ``grace`` seconds every process it started is
-    killed: torchrun starts each worker in a session of its own, out of reach of a signal to its group.
+    workers (SIGTERM, which torchrun passes on), and after ``grace`` seconds every process it started that
+    is still there is killed: torchrun starts each worker in a session of its own, out of reach of a signal
+    to its group. Output goes through files, not pipes, which a surviving worker would hold open.
 
     :raises LaunchError: it ran past ``timeout``; the message holds the end of its output.
     """
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, text=True)
         try:
-            stdout, stderr = process.communicate(timeout=timeout)
+            process.wait(timeout)
         except subprocess.TimeoutExpired:
             started = _descendants(process.pid)  # read before they are orphaned and the tree is lost
             process.terminate()
             try:
                 process.wait(grace)
             except subprocess.TimeoutExpired:
-                pass
-            for pid in (process.pid, *started):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            _, stderr = process.communicate()
+                process.kill()
+                process.wait()
+            for pid, since in started:
+                if _start_time(pid) == since:  # still the process seen, not a new one given its number
+                    _kill(pid)
             raise LaunchError(f"{' '.join(command)} ran past {timeout:.0f} s; the end of its output:\n"
-                              f"{stderr[-3000:]}") from None
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+                              f"{_read(stderr)[-3000:]}") from None
+        return subprocess.CompletedProcess(command, process.returncode, _read(stdout), _read(stderr))
 
 
-def _descendants(pid: int) -> list[int]:
+def _read(file: Any) -> str:
+    file.seek(0)
+    return file.read()
+
+
+def _descendants(pid: int) -> list[tuple[int, str | None]]:
+    """Every process below ``pid``, with its start time (Linux ``/proc``; none found elsewhere)."""
     children = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             children += [int(child) for child in (task / "children").read_text().split()]
         except OSError:
             pass
-    return children + [grandchild for child in children for grandchild in _descendants(child)]
+    found = [(child, _start_time(child)) for child in children]
+    return found + [grandchild for child in children for grandchild in _descendants(child)]
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def run_job(job: Path, processes: int, out: Path, flags: list[str], stock: bool, cache: Path,
@@ -104,6 +126,9 @@ def run_job(job: Path, processes: int, out: Path, flags: list[str], stock: bool,
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise LaunchError(f"the job failed (exit {done.returncode}): {' '.join(command)}\n{done.stderr[-2000:]}")
+    if not stats_path(out).is_file():
+        raise LaunchError(f"{job} wrote no {stats_path(out).name}: the job must write each process's statistics "
+                          "there, as examples/accelerate_generate.py does")
     stats = json.loads(stats_path(out).read_text())
     results = [json.loads(line) for line in out.read_text().splitlines()]
     return JobRun(config="stock" if stock else "patch(model)", processes=processes, wall_s=wall,
@@ -135,8 +160,8 @@ def run_processes_bench(processes: int, flags: list[str], scratch: str | Path, r
 
 
 def format_processes_table(runs: list[JobRun]) -> str:
-    """Medians over the launches of each configuration; "identical": prompts whose tokens equal the stock
-    job's in every launch."""
+    """Medians over the launches of each configuration; "identical": prompts whose tokens equal the first
+    stock launch's in every launch of the configuration (for stock: whether its launches agree)."""
     reference = next(r for r in runs if r.config == "stock").new_token_ids
     configs = {config: [r for r in runs if r.config == config] for config in dict.fromkeys(r.config for r in runs)}
     wall = {config: statistics.median(r.wall_s for r in mine) for config, mine in configs.items()}
@@ -151,8 +176,7 @@ def format_processes_table(runs: list[JobRun]) -> str:
         same = min(sum(a == b for a, b in zip(r.new_token_ids, reference)) for r in mine)
         lines.append((config, str(mine[0].processes), f"{wall[config]:.1f}", f"{wall['stock'] / wall[config]:.2f}x",
                       f"{speed[config]:.1f}", f"{speed[config] / speed['stock']:.2f}x", per_process,
-                      f"{accepted} / {drafted}" if drafted else "-",
-                      "-" if config == "stock" else f"{same}/{len(reference)}"))
+                      f"{accepted} / {drafted}" if drafted else "-", f"{same}/{len(reference)}"))
     return markdown_table(lines)
 
 

@@ -48,6 +48,14 @@ class Changes:
             raise KeyError(f"{type(parent).__name__} has no child module {name!r}")
         original = parent._modules[name]
         self._undos.append(lambda: _put_back(parent, name, module, original))
+        hook = getattr(original, "_hf_hook", None)
+        if hook is not None and getattr(module, "_hf_hook", None) is None:
+            # accelerate moves this module's inputs to its device (a device_map over several devices): the
+            # replacement must keep doing so. Offloading hooks never get here: what replaces modules needs
+            # whole weights in place, and offloaded models are refused that.
+            from accelerate.hooks import add_hook_to_module
+
+            add_hook_to_module(module, hook)
         setattr(parent, name, module)
 
     def mark_irreversible(self, reason: str) -> None:

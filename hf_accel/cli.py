@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--cold", action="store_true",
                        help="start-up instead: a short script in fresh processes, stock and patched, with empty then "
                             "warm caches; total time, time to first token and the break-even length")
-    bench.add_argument("--lengths", default="32,128,512", help="with --cold: comma-separated max_new_tokens")
+    bench.add_argument("--lengths", help="with --cold: comma-separated max_new_tokens (default 32,128,512)")
     bench.add_argument("--memory", action="store_true",
                        help="peak resident memory instead: each configuration (stock, patch(model), each --patch) "
                             "in a fresh process over the same 20 calls of mixed batch sizes and lengths")
@@ -322,18 +322,22 @@ def _bench_processes(args: argparse.Namespace) -> int:
         raise CLIError("--processes, --batch-size, --max-new-tokens and --repeat must be at least 1")
     if args.model is not None or args.gguf_file is not None:
         raise CLIError("--processes runs examples/accelerate_generate.py, which loads the embedded model; "
-                       "drop --model, or edit the job's load() for yours and pass it with --job")
+                       "drop --model/--gguf-file, or edit the job's load() for yours and pass it with --job")
     ignored = [flag for flag, given in [("--cold", args.cold), ("--memory", args.memory), ("--patch", args.patch),
+                                        ("--lengths", args.lengths),
                                         ("--quantize", args.quantize), ("--configs", args.configs),
                                         ("--generate", args.generate), ("--all-prompts", args.all_prompts),
                                         ("--against", args.against), ("--plot", args.plot)] if given]
     if ignored:
         raise CLIError(f"--processes runs the job as it is, stock and patch(model); it takes no {', '.join(ignored)}")
+    load_prompts(args.prompts)  # a bad file is reported now, not after N processes have loaded the model
+    job = Path(args.job) if args.job else EXAMPLE_JOB
+    if not job.is_file():
+        raise CLIError(f"no job at {job}: bench --processes runs examples/accelerate_generate.py from a checkout "
+                       "of hf_accel; pass --job PATH to a copy of it")
     if torch.cuda.is_available() and args.processes > torch.cuda.device_count():
         raise CLIError(f"--processes {args.processes}: torchrun gives each process a GPU of its own, and this machine "
                        f"has {torch.cuda.device_count()}")
-    load_prompts(args.prompts)  # a bad file is reported now, not after N processes have loaded the model
-    job = Path(args.job) if args.job else EXAMPLE_JOB
     flags = ["--max-new-tokens", str(args.max_new_tokens), "--batch-size", str(batch_size)]
     if args.prompts:
         flags += ["--prompts", args.prompts]
@@ -363,7 +367,7 @@ def _bench_cold(args: argparse.Namespace) -> int:
                              write_cold_json)
 
     try:
-        lengths = [int(n) for n in args.lengths.split(",")]
+        lengths = [int(n) for n in (args.lengths or "32,128,512").split(",")]
     except ValueError:
         raise CLIError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
     if len(lengths) < 2 or min(lengths) < 1:

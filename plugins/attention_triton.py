@@ -12,6 +12,8 @@ On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), which is how
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib.util
 import os
 from typing import Any
@@ -94,12 +96,15 @@ def triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = torch.empty_like(query)
     block_m, block_n = 16, 32
     grid = (triton.cdiv(m, block_m), heads, batch)
-    _kernel[grid](query, key, value, out, kv_start.to(torch.int32).contiguous(),
-                  query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-                  value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                  m, n, dim, heads // key.shape[1], scale, float(softcap or 1.0), int(window or 0),
-                  CAUSAL=causal, SOFTCAP=bool(softcap), WINDOW=bool(window),
-                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim))
+    # Triton launches on the current device, not the tensors': a layer device_map put on another GPU must
+    # switch to it (the interpreter runs CPU tensors).
+    with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
+        _kernel[grid](query, key, value, out, kv_start.to(torch.int32).contiguous(),
+                      query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1),
+                      key.stride(2), value.stride(0), value.stride(1), value.stride(2), out.stride(0),
+                      out.stride(1), out.stride(2), m, n, dim, heads // key.shape[1], scale, float(softcap or 1.0),
+                      int(window or 0), CAUSAL=causal, SOFTCAP=bool(softcap), WINDOW=bool(window),
+                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim))
     return out
 
 

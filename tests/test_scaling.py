@@ -166,18 +166,25 @@ def test_bench_processes_launches_the_job_stock_and_patched_and_compares_their_t
     assert "| patch(model) | 2 " in table and "| 8/8 " in table
 
 
-def test_bench_processes_refuses_what_it_cannot_run_before_launching_anything(capsys, tmp_path):
+def test_bench_processes_refuses_what_it_cannot_run_before_launching_anything(capsys, tmp_path, monkeypatch):
     from hf_accel.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
     refusals = {("--processes", "0"): "--processes, --batch-size",
                 ("--processes", "2", "--job", str(tmp_path / "missing.py")): "no job at",
-                ("--processes", "2", "--model", "some/dir"): "drop --model",
+                ("--processes", "2", "--model", "some/dir"): "drop --model/--gguf-file",
+                ("--processes", "2", "--lengths", "8,16"): "takes no --lengths",
                 ("--processes", "2", "--memory", "--patch", "compile=None"): "takes no --memory, --patch",
                 ("--batch-size", "4",): "--batch-size and --job go with --processes N",
                 ("--processes", "2", "--prompts", str(tmp_path / "none.jsonl")): "No prompts file"}
     for flags, message in refusals.items():
         assert main(["bench", *flags]) == 2
         assert message in capsys.readouterr().err, flags
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["bench", "--processes", "2"]) == 2
+    assert "gives each process a GPU of its own, and this machine has 1" in capsys.readouterr().err
 
 
 def test_a_model_split_across_devices_keeps_what_serves_it(monkeypatch):
@@ -204,6 +211,32 @@ def test_a_model_split_across_devices_keeps_what_serves_it(monkeypatch):
         hf_accel.unpatch(model)
 
 
+def test_bitsandbytes_quantizes_a_split_model_layer_by_layer_and_keeps_accelerates_hooks(monkeypatch):
+    """On a model split over devices (simulated), bitsandbytes still applies; a Linear that accelerate hooked
+    (its inputs moved to its device) keeps a hook doing that once replaced, and gets its own back at unpatch."""
+    pytest.importorskip("bitsandbytes")
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    import hf_accel.backends
+
+    model = make_tiny_model("llama")
+    hooked = model.model.layers[0].mlp.down_proj
+    add_hook_to_module(hooked, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+    hook = hooked._hf_hook
+    ids, mask = left_padded_batch(model)
+    monkeypatch.setattr(hf_accel.backends, "weight_devices", lambda model: ["cpu", "cuda:0"])
+    hf_accel.patch(model, quantize="bnb", keep_original=True, speculative=None)
+    report = hf_accel.report(model)
+    assert report["quantize"].backend == "bnb" and report["compile"].backend is None
+    replaced = model.model.layers[0].mlp.down_proj
+    assert replaced is not hooked and type(replaced).__module__.startswith("bitsandbytes")
+    assert replaced._hf_hook is hook
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert out.shape == (3, ids.shape[1] + 5)
+    hf_accel.unpatch(model)
+    assert model.model.layers[0].mlp.down_proj is hooked and hooked._hf_hook is hook
+
+
 def test_a_launch_that_hangs_is_stopped_with_every_worker_it_started(tmp_path):
     """torchrun starts each worker in a session of its own: stopping the launcher's process group alone
     would leave them running (blocked, in a real job, on a peer that is gone)."""
@@ -213,9 +246,25 @@ def test_a_launch_that_hangs_is_stopped_with_every_worker_it_started(tmp_path):
                     "time.sleep(600)\n")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(hang),
                str(tmp_path / "pid")]
-    with pytest.raises(LaunchError, match="ran past 8 s"):
-        run_launch(command, {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=8, grace=2)
-    pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
+    with pytest.raises(LaunchError, match="ran past 20 s"):
+        run_launch(command, {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=20, grace=2)
+    assert_stopped([int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)])
+
+
+def test_a_launcher_that_ignores_the_request_to_stop_is_killed_with_what_it_started(tmp_path):
+    launcher = tmp_path / "stubborn.py"
+    launcher.write_text("import signal, subprocess, sys, time\n"
+                        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],"
+                        " start_new_session=True)\n"
+                        "open(sys.argv[1], 'w').write(str(child.pid))\n"
+                        "time.sleep(600)\n")
+    with pytest.raises(LaunchError, match="ran past 3 s"):
+        run_launch([sys.executable, str(launcher), str(tmp_path / "pid")], timeout=3, grace=1)
+    assert_stopped([int((tmp_path / "pid").read_text())])
+
+
+def assert_stopped(pids: list[int]) -> None:
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
