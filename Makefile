@@ -1,4 +1,5 @@
-# Two commands: `make demo` and `make test`. Both create .venv on first use and are fast the second time.
+# Two commands: `make demo` and `make test` (`make lint` runs ruff, which the tests also run). Both create
+# .venv on first use and are fast the second time.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,7 +7,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # torch is pinned to the CPU wheel that lies on this disk; a loose pin would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test clean
+.PHONY: demo test lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +27,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -31,8 +31,8 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import hf_accel
-from hf_accel.models import default_model_file, load_default_model
-from hf_accel.prompts import load_prompts
+from hf_accel.tools.models import default_model_file, load_default_model
+from hf_accel.tools.prompts import load_prompts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

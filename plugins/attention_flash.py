@@ -25,8 +25,16 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.masking_utils import flash_attention_mask, sdpa_mask
 
-from hf_accel import Backend, Capabilities, PatchContext, hookimpl
-from hf_accel.attention import head_dim, register_implementation, set_attention, transformers_refusal
+from hf_accel.plugin import (
+    Backend,
+    Capabilities,
+    PatchContext,
+    head_dim,
+    hookimpl,
+    register_implementation,
+    set_attention,
+    transformers_refusal,
+)
 
 SDPA_FLASH = "hf_accel_sdpa_fa"  # transformers treats names containing "flash" as hub kernels
 FLASH_ATTN = "hf_accel_fa2"

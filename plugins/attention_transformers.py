@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from hf_accel import Backend, Capabilities, hookimpl
-from hf_accel.attention import set_attention, transformers_refusal
+from hf_accel.plugin import Backend, Capabilities, hookimpl, set_attention, transformers_refusal
 
 
 def _transformers_backend(name: str, priority: int, description: str, **capabilities) -> Backend:

@@ -13,7 +13,6 @@ On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), which is how
 from __future__ import annotations
 
 import contextlib
-
 import importlib.util
 import os
 from typing import Any
@@ -21,8 +20,16 @@ from typing import Any
 import torch
 from transformers.masking_utils import flash_attention_mask
 
-from hf_accel import Backend, Capabilities, PatchContext, hookimpl
-from hf_accel.attention import head_dim, register_implementation, set_attention, transformers_refusal
+from hf_accel.plugin import (
+    Backend,
+    Capabilities,
+    PatchContext,
+    head_dim,
+    hookimpl,
+    register_implementation,
+    set_attention,
+    transformers_refusal,
+)
 
 TRITON_FLASH = "hf_accel_triton_fa"
 _kernel = None
@@ -145,7 +152,8 @@ def triton_problem() -> str | None:
 
 def triton_unsuitable(context: PatchContext) -> str | None:
     if head_dim(context.model) > 256:
-        return f"the kernel keeps a query block's head dimension in registers: at most 256, this model has {head_dim(context.model)}"
+        return (f"the kernel keeps a query block's head dimension in registers: at most 256, this model has "
+                f"{head_dim(context.model)}")
     if context.device.type != "cuda" and not interpreted():
         return f"runs on CUDA, the model is on {context.device.type}"
     return transformers_refusal(context, TRITON_FLASH)

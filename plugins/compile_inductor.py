@@ -1,8 +1,8 @@
 """``compile="inductor"``: decode steps whose decoder layers run graphs compiled by ``torch.compile``.
 
-Every later ``generate`` call gets a fixed-shape cache (a bucket of :data:`hf_accel.compiled_step.BUCKET`
+Every later ``generate`` call gets a fixed-shape cache (a bucket of :data:`hf_accel.runtime.compiled_step.BUCKET`
 positions, reused while it fits) and transformers' own switch to a compiled forward for the decode steps,
-served by :class:`~hf_accel.compiled_step.CompiledDecodeStep`: the model's forward with its decoder layers
+served by :class:`~hf_accel.runtime.compiled_step.CompiledDecodeStep`: the model's forward with its decoder layers
 compiled one kind at a time (regional compilation: one layer's graph serves all of them), inductor's C++ code
 on CPU, CUDA graphs (``mode="reduce-overhead"``) on CUDA. On CPU in fp32 the Linear layers are first moved
 onto prepacked oneDNN weights (as ``compile="onednn_prepack"``), which inductor calls as opaque kernels. The
@@ -10,7 +10,7 @@ speculative loop runs its target's verification chunks through the same step and
 steps with the same settings. The prompt (prefill) stays eager.
 
 When to compile is ``compile_when``: ``"auto"`` runs layers eagerly until what a compiled graph would have
-saved them exceeds the time compiling is expected to take (see :mod:`hf_accel.compile_policy`),
+saved them exceeds the time compiling is expected to take (see :mod:`hf_accel.runtime.compile_policy`),
 ``"first_use"`` compiles when a call first needs a shape. Compiled code persists in ``compile_cache``
 (default: ``HF_ACCEL_CACHE``, else ``$XDG_CACHE_HOME/hf_accel``, else ``~/.cache/hf_accel``; ``False``: not
 kept).
@@ -18,19 +18,63 @@ kept).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
-from hf_accel import Backend, Option, PatchContext, hookimpl
-from hf_accel.compile_cache import CompileStore
-from hf_accel.compile_policy import CompilePolicy
-from hf_accel.compiled_step import BF16_CHECK_TOLERANCE, CHECK_TOLERANCE, CompiledDecodeStep
-from hf_accel.kv_cache import PreallocatedLayer
-from hf_accel.regions import decoder_layers, is_routed
-from hf_accel_plugins.compile_onednn import pack_linears, packing_problem
+from hf_accel.plugin import (
+    BF16_CHECK_TOLERANCE,
+    CHECK_TOLERANCE,
+    Backend,
+    CompiledDecodeStep,
+    CompilePolicy,
+    CompileStore,
+    Option,
+    PatchContext,
+    PreallocatedLayer,
+    decoder_layers,
+    hookimpl,
+    is_routed,
+)
+from hf_accel_plugins.onednn_packing import pack_linears, packing_problem
+
+
+class InductorCompiler:
+    """Inductor as the compiled step's :class:`GraphCompiler`, counting the graphs it compiles. ``mode`` as in
+    ``torch.compile`` (``"reduce-overhead"`` turns on CUDA graphs)."""
+
+    def __init__(self, mode: str | None = None) -> None:
+        self.mode = mode
+        self.graphs = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        return compile_fx(graph, example_inputs, config_patches=list_mode_options(self.mode) if self.mode else None)
+
+    def fresh(self) -> InductorCompiler:
+        return InductorCompiler(self.mode)
+
+    @contextlib.contextmanager
+    def caching_in(self, directory: Path) -> Iterator[None]:
+        """Inductor's cache directory (a process-wide environment variable) is ``directory`` while a compile
+        runs, and what it was afterwards."""
+        previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
 
 
 def install(context: PatchContext) -> None:
@@ -44,7 +88,7 @@ def install(context: PatchContext) -> None:
     mode = context.option("compile_mode") or ("reduce-overhead" if on_cuda else None)
     quantized = state.report["quantize"].backend is not None
     low_precision = quantized or state.dtype in (torch.float16, torch.bfloat16)
-    step = CompiledDecodeStep(model, mode=mode, bucket=int(context.option("cache_bucket", 256)),
+    step = CompiledDecodeStep(model, InductorCompiler(mode), bucket=int(context.option("cache_bucket", 256)),
                               details=context.report.details,
                               tolerance=BF16_CHECK_TOLERANCE if low_precision else CHECK_TOLERANCE,
                               policy=CompilePolicy(when=context.option("compile_when", "auto")),

@@ -18,9 +18,17 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
-from hf_accel.quantize import (
-    SELECTION_OPTIONS, record_quantization, selected_linears, tensor_bytes, weight_and_bias,
+from hf_accel.plugin import (
+    SELECTION_OPTIONS,
+    Backend,
+    Capabilities,
+    Option,
+    PatchContext,
+    hookimpl,
+    record_quantization,
+    selected_linears,
+    tensor_bytes,
+    weight_and_bias,
 )
 
 logger = logging.getLogger(__name__)
@@ -133,7 +141,8 @@ def hf_accel_register_backends(register):
                                   split_devices=True),
         priority=5,
         lossless=False,
-        tolerance=0.9,  # 4-bit moves logits far (SmolLM2 nf4: 0.77 on the probe, perplexity +18%); this catches broken output
+        # 4-bit moves logits far (SmolLM2 nf4: 0.77 on the probe, perplexity +18%); this catches broken output
+        tolerance=0.9,
         variants=SCHEMES,
         options={**SELECTION_OPTIONS, "bnb_quant_type": Option.choice(*SCHEMES),
                  "bnb_double_quant": Option.flag(False)},

@@ -6,7 +6,7 @@ input. Here the copy drafts ``k`` tokens, then each row's draft is extended by w
 earlier occurrence of its last tokens (2 or 3 of them, draft included), so a step that enters a passage
 being copied (a quoted sentence, a code line kept in an edit) verifies up to :data:`EXTENSION` more
 tokens in the same target pass. The copy reads the target's keys and values for the prompt and every
-accepted token (:class:`~hf_accel.speculative.SelfDrafter`), so it never runs over the prompt itself.
+accepted token (:class:`~hf_accel_plugins.drafters.SelfDrafter`), so it never runs over the prompt itself.
 
 Where the int4 kernel or the copy is not possible (no CPU int4 kernel, a quantized target), ``auto``
 falls back to plain ``ngram``.
@@ -16,11 +16,20 @@ from __future__ import annotations
 
 import torch
 
-from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
-from hf_accel.speculative import Draft, DraftLength, SelfDrafter, SpeculativeLoop, install_runner
-from hf_accel_plugins.quantize_int4 import kernel_problem
-from hf_accel_plugins.speculative_model import SELF_DRAFTS, draft_bytes, self_draft, self_draft_problem, vocab_size
-from hf_accel_plugins.speculative_ngram import lookup
+from hf_accel.plugin import (
+    Backend,
+    Capabilities,
+    Draft,
+    DraftLength,
+    Option,
+    PatchContext,
+    SpeculativeLoop,
+    hookimpl,
+    install_runner,
+)
+from hf_accel_plugins.drafters import SelfDrafter, lookup
+from hf_accel_plugins.int4_layers import kernel_problem
+from hf_accel_plugins.self_drafts import SELF_DRAFTS, draft_bytes, self_draft, self_draft_problem, vocab_size
 
 #: The shortest n-gram match the lookup extends a draft from; single tokens predicted poorly.
 MIN_MATCH = 2

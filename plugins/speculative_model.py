@@ -12,24 +12,14 @@ target's time on memory-bound hardware. Output stays the target's: every draft i
 
 from __future__ import annotations
 
-import copy
-import logging
-
 import torch
-from torch import nn
 from transformers import PreTrainedModel
-from transformers.pytorch_utils import Conv1D
 
-from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
-from hf_accel.quantize import linear_children, weight_and_bias
-from hf_accel.speculative import DraftLength, ModelDrafter, SelfDrafter, install_runner, object_request_problem
-from hf_accel_plugins.quantize_int4 import Int4WeightLinear
-from hf_accel_plugins.quantize_int4 import bytes_per_weight as int4_bytes_per_weight
-from hf_accel_plugins.quantize_int4 import kernel_problem as int4_kernel_problem
-from hf_accel_plugins.quantize_int8 import Int8WeightLinear
-from hf_accel_plugins.quantize_int8 import kernel_problem as int8_kernel_problem
-
-logger = logging.getLogger(__name__)
+from hf_accel.plugin import Backend, Capabilities, DraftLength, Option, PatchContext, hookimpl, install_runner
+from hf_accel_plugins.drafters import ModelDrafter, SelfDrafter
+from hf_accel_plugins.int4_layers import kernel_problem as int4_kernel_problem
+from hf_accel_plugins.int8_layers import kernel_problem as int8_kernel_problem
+from hf_accel_plugins.self_drafts import SELF_DRAFTS, draft_bytes, self_draft, self_draft_problem, vocab_size
 
 
 def requested_draft_model(context: PatchContext) -> PreTrainedModel | None:
@@ -38,11 +28,6 @@ def requested_draft_model(context: PatchContext) -> PreTrainedModel | None:
         if isinstance(candidate, PreTrainedModel):
             return candidate
     return None
-
-
-def vocab_size(model: PreTrainedModel) -> int:
-    head = model.get_output_embeddings()  # possibly a quantized module without a .weight
-    return getattr(head, "out_features", None) or head.weight.shape[0]
 
 
 def draft_model_problem(context: PatchContext) -> str | None:
@@ -67,100 +52,12 @@ def install_draft_model(context: PatchContext) -> None:
     context.report.details["draft_model"] = type(draft).__name__
 
 
-def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
-    """A copy of ``model`` sharing its non-Linear tensors (embeddings, norms), whose Linear layers are int8
-    per output channel (``bits=8``), or int4 in groups of 32 with an int8 output head (``bits=4``)."""
-    with torch.device("meta"):
-        draft = type(model)(copy.deepcopy(model.config))
-    share_tensors(model, draft)
-    draft.tie_weights()
-    head = draft.get_output_embeddings()
-    # One layer at a time, from the target's layer of the same name: a packed target holds no plain weights,
-    # and unpacking them all at once would cost a full copy of them.
-    for parent, name, qualified, linear in list(linear_children(draft)):
-        weight, bias = weight_and_bias(model.get_submodule(qualified))
-        linear.weight = nn.Parameter(weight.t() if isinstance(linear, Conv1D) else weight, requires_grad=False)
-        linear.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        four_bits = bits == 4 and linear is not head and weight.shape[1] % 32 == 0
-        setattr(parent, name, Int4WeightLinear(linear, 32) if four_bits else Int8WeightLinear(linear))
-        linear.weight = linear.bias = None  # the list above still holds the module: free its plain copy now
-    for name, tensor in [*draft.named_parameters(), *draft.named_buffers()]:
-        if tensor.is_meta:
-            raise RuntimeError(f"could not copy {name} into the quantized draft")
-    return draft.eval()
-
-
-def draft_bytes(context: PatchContext, bits: int) -> int:
-    """Estimated bytes a quantized copy adds: its Linear layers' codes and scales (int4 with bf16 scales and
-    offsets per 32 weights, or int8; the head int8), plus the largest layer unpacked and coded while copying."""
-    with torch.device("meta"):  # shapes only: the target's own layers may be packed by now
-        fresh = type(context.model)(copy.deepcopy(context.model.config))
-    head = fresh.get_output_embeddings()
-    sizes = [(linear.weight.numel(), linear is head) for _, _, _, linear in linear_children(fresh)]
-    if not sizes:
-        return 0
-    per_weight = int4_bytes_per_weight(32) if bits == 4 else 1.0
-    held = sum(n * (1.0 if is_head else per_weight) for n, is_head in sizes)
-    return int(held + 8 * max(n for n, _ in sizes))  # fp32 plus int32 codes of one layer at a time
-
-
-def self_draft(context: PatchContext, bits: int) -> nn.Module:
-    """The target's quantized copy (see :func:`quantized_copy`), its bytes accounted in the report."""
-    draft = quantized_copy(context.model, bits)
-    own = own_bytes(draft, context.model)
-    context.account_memory("draft copy (its quantized layers)", lambda: own)
-    return draft
-
-
-def own_bytes(draft: nn.Module, model: nn.Module) -> int:
-    """Bytes of ``draft``'s parameters and buffers that it does not share with ``model``."""
-    shared = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()] if t.numel()}
-    return sum(t.numel() * t.element_size() for t in {id(t): t for t in [*draft.parameters(), *draft.buffers()]}.values()
-               if t.numel() and t.untyped_storage().data_ptr() not in shared)
-
-
-def share_tensors(model: nn.Module, draft: nn.Module) -> None:
-    """Put each of ``model``'s parameters and buffers (non-persistent ones too: rotary tables) into the module
-    of the same name in ``draft``, where that module has one of that name."""
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        owner, _, leaf = name.rpartition(".")
-        try:
-            module = draft.get_submodule(owner)
-        except AttributeError:
-            continue
-        if leaf in module._parameters:
-            module._parameters[leaf] = tensor
-        elif leaf in module._buffers:
-            module._buffers[leaf] = tensor
-
-
 def install_self_draft(context: PatchContext, bits: int) -> None:
     draft = self_draft(context, bits)
     vocab = vocab_size(context.model)
     install_runner(context, lambda model, config: SelfDrafter(draft, config, vocab), DraftLength(k=4, low=1, high=8),
                    drafts=(draft,))
     context.report.details["draft"] = SELF_DRAFTS[bits]
-
-
-def self_draft_problem(context: PatchContext) -> str | None:
-    """Why a quantized copy cannot be made of this target (or would not be cheaper), or None."""
-    problem = object_request_problem(context)
-    if problem:
-        return problem
-    # Not hf_quantizer: a GGUF checkpoint loads through one, dequantized to floating point.
-    quantized_weights = any(not p.is_floating_point() for p in context.model.parameters())
-    if context.state.report["quantize"].backend is not None or quantized_weights:
-        return "the target's weights are quantized already, so a quantized copy would not draft any cheaper"
-    with torch.device("meta"):
-        fresh = type(context.model)(copy.deepcopy(context.model.config))
-    if {name for name, _ in fresh.named_modules()} != {name for name, _ in context.model.named_modules()}:
-        return ("the model's modules differ from what its class builds from its config (adapters such as LoRA?), "
-                "so a quantized copy cannot be made from it; merge the adapters first")
-    return None
-
-
-#: What each self-draft is, for the report.
-SELF_DRAFTS = {8: "int8 per-channel copy of the target", 4: "int4 (groups of 32) copy of the target, int8 head"}
 
 
 def kernel_problem(bits: int):

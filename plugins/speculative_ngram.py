@@ -4,45 +4,17 @@ prompts (summaries, edits of quoted text, code)."""
 
 from __future__ import annotations
 
-import torch
-
-from hf_accel import Backend, Capabilities, Option, PatchContext, hookimpl
-from hf_accel.speculative import Draft, DraftLength, SpeculativeLoop, install_runner, object_request_problem
-
-
-class NgramDrafter:
-    """Proposes, per row, the continuation of the latest earlier match of its last ``n`` tokens
-    (``n`` from ``max_ngram`` down to ``min_ngram``)."""
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
-
-    def start(self, loop: SpeculativeLoop) -> None:
-        pass
-
-    def propose(self, loop: SpeculativeLoop, k: int) -> Draft:
-        found = [lookup(row, k, self.max_ngram, self.min_ngram) for row in loop.rows]
-        tokens = loop.rows[0].new_zeros(len(found), k)
-        for b, continuation in enumerate(found):
-            tokens[b, : continuation.numel()] = continuation
-        lengths = torch.tensor([c.numel() for c in found], device=tokens.device)
-        return Draft(tokens, lengths)
-
-    def accepted(self, loop: SpeculativeLoop, draft: Draft, kept: torch.Tensor) -> None:
-        pass
-
-
-def lookup(row: torch.Tensor, k: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of ``row``'s last n tokens."""
-    length = row.numel()
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        windows = row[: length - 1].unfold(0, n, 1)  # each window must be followed by at least one token
-        hits = (windows == row[length - n :]).all(dim=1).nonzero()
-        if hits.numel():
-            start = int(hits[-1]) + n
-            return row[start : start + k]
-    return row[:0]
+from hf_accel.plugin import (
+    Backend,
+    Capabilities,
+    DraftLength,
+    Option,
+    PatchContext,
+    hookimpl,
+    install_runner,
+    object_request_problem,
+)
+from hf_accel_plugins.drafters import NgramDrafter
 
 
 def install(context: PatchContext) -> None:

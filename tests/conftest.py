@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from hf_accel.plugins import reset_plugin_manager
+from hf_accel.patching.plugin_manager import reset_plugin_manager
 
 VOCAB = 512
 #: Per architecture: the config class and what differs from the shared tiny shape.
@@ -71,7 +71,7 @@ def _fresh_plugin_manager(monkeypatch):
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (fp32) and its tokenizer, loaded once per session."""
-    from hf_accel.models import load_default_model
+    from hf_accel.tools.models import load_default_model
 
     model, tokenizer = load_default_model()
     return model, tokenizer

@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from hf_accel import bench_cold, cli
-from hf_accel.bench_cold import ColdRun, break_even, format_break_even, format_cold_table
+from hf_accel.tools import cli
+from hf_accel.tools.bench import cold as bench_cold
+from hf_accel.tools.bench.cold import ColdRun, break_even, format_break_even, format_cold_table
 
 
 def runs(config: str, fixed: float, per_token: float, caches: str = "cold", lengths=(32, 128, 512),
@@ -66,9 +67,10 @@ def test_calls_in_one_process_are_set_against_stocks_same_call():
 
 
 def test_the_memory_table_sets_each_peak_against_stocks_and_the_first_call():
-    from hf_accel.bench_memory import MemoryRun, format_memory_table
+    from hf_accel.tools.bench.memory import MemoryRun, format_memory_table
 
     table = format_memory_table([MemoryRun("stock", 1200.0, 990.0, 990.0, 1010.0, 1050.0, None),
-                                 MemoryRun("patch(model)", 1200.0, 990.0, 1140.0, 1200.0, 1260.0, 230 * 2**20)], calls=20)
+                                 MemoryRun("patch(model)", 1200.0, 990.0, 1140.0, 1200.0, 1260.0, 230 * 2**20)],
+                                calls=20)
     assert "| stock        | 1200         | 990            | 1010              | 1050" in table
     assert "| 1260              | 1.20x   | 1.05x          | 1260            | 1.05x   | +230 " in table

@@ -6,7 +6,7 @@ import torch
 from conftest import VOCAB, make_tiny_model
 
 import hf_accel
-from hf_accel.bench_identity import identity_prompts, mixed_batches, run_identity
+from hf_accel.tools.bench.identity import identity_prompts, mixed_batches, run_identity
 
 
 class ByteTokenizer:

@@ -8,9 +8,9 @@ import json
 import pytest
 
 import hf_accel
-from hf_accel import cli, models
-from hf_accel.cli import main
-from hf_accel.prompts import CATEGORIES, load_prompts
+from hf_accel.tools import cli, models
+from hf_accel.tools.cli import main
+from hf_accel.tools.prompts import CATEGORIES, load_prompts
 
 
 def test_doctor_lists_backends_and_exits_zero(capsys):
@@ -186,7 +186,7 @@ def test_bench_labels_a_configuration_whose_feature_was_not_applied():
     from conftest import make_tiny_model
 
     import hf_accel
-    from hf_accel.bench import _not_applied
+    from hf_accel.tools.bench.steady import _not_applied
 
     model = hf_accel.patch(make_tiny_model("llama"), kv_cache=None)
     assert "kv_cache not applied: off" in _not_applied(model, {"kv_cache": "static", "attention": "auto"})

@@ -10,8 +10,9 @@ import torch
 from conftest import left_padded_batch, make_tiny_model
 
 import hf_accel
-from hf_accel import cli, compiled_step
-from hf_accel.compile_policy import WARM_COMPILE_SECONDS
+from hf_accel.runtime.compile_policy import WARM_COMPILE_SECONDS
+from hf_accel.tools import cli
+from hf_accel_plugins.compile_inductor import InductorCompiler
 
 AT_ONCE = {"compile": "inductor", "speculative": None, "compile_when": "first_use"}
 
@@ -63,7 +64,7 @@ def test_a_compiled_shape_is_kept_and_a_later_model_of_the_architecture_expects_
     (entry,) = entries(store).values()
     assert entry["shape"] == SHAPE and entry["cold_seconds"] > 0 and "warm_seconds" not in entry
     assert entry["fingerprint"]["model"] == "LlamaForCausalLM" and entry["fingerprint"]["linears"] == ["PackedLinear"]
-    assert (store / "inductor").is_dir()  # the compiled code lives in the store, not in inductor's default place
+    assert (store / "code").is_dir()  # the compiled code lives in the store, not in inductor's default place
 
     _, details = generate_patched(seed=1, compile="inductor", speculative=None)  # other weights, default policy
     assert details["shapes"][SHAPE].startswith(
@@ -93,7 +94,7 @@ def test_a_stale_entry_is_discarded_with_a_log_line(store, caplog):
     assert details["failure"] is None
     (entry,) = entries(store).values()
     assert entry["versions"]["torch"] == torch.__version__  # recorded anew
-    assert any((store / "inductor").rglob("*.py"))  # compiled code is torch's to key: none of it was deleted
+    assert any((store / "code").rglob("*.py"))  # compiled code is torch's to key: none of it was deleted
 
 
 @pytest.mark.parametrize("damage", [lambda e: None, lambda e: {**e, "warm_seconds": "soon"},
@@ -129,7 +130,7 @@ def test_an_entry_recording_another_model_under_this_key_is_discarded(store, cap
 
 def test_corrupted_compiled_code_is_compiled_again_and_the_output_stays_right(store):
     generate_patched(**AT_ONCE)
-    for path in (store / "inductor").rglob("*"):
+    for path in (store / "code").rglob("*"):
         if path.is_file() and "lock" not in path.name:
             path.write_bytes(b"\x00garbage" * 16)
     _, details = generate_patched(**AT_ONCE)  # generate_patched asserts the output equals stock
@@ -138,7 +139,7 @@ def test_corrupted_compiled_code_is_compiled_again_and_the_output_stays_right(st
 
 def test_a_compile_that_fails_from_the_store_empties_it_and_compiles_once_more(store, monkeypatch, caplog):
     generate_patched(**AT_ONCE)
-    compile_fx = compiled_step.CountingBackend.__call__
+    compile_fx = InductorCompiler.__call__
     calls = []
 
     def fails_first(self, graph, example_inputs):
@@ -147,7 +148,7 @@ def test_a_compile_that_fails_from_the_store_empties_it_and_compiles_once_more(s
             raise RuntimeError("unreadable cache entry")
         return compile_fx(self, graph, example_inputs)
 
-    monkeypatch.setattr(compiled_step.CountingBackend, "__call__", fails_first)
+    monkeypatch.setattr(InductorCompiler, "__call__", fails_first)
     _, details = generate_patched(**AT_ONCE)
     assert "emptying the compile cache" in caplog.text and "unreadable cache entry" in caplog.text
     assert details["failure"] is None and len(calls) == 2
@@ -163,12 +164,12 @@ def test_a_compile_that_fails_outside_the_store_leaves_it_alone(store, monkeypat
     def no_compiler(self, graph, example_inputs):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(compiled_step.CountingBackend, "__call__", no_compiler)
+    monkeypatch.setattr(InductorCompiler, "__call__", no_compiler)
     ids, mask = left_padded_batch(model, (9,))
     hf_accel.patch(model, **AT_ONCE)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert "no C++ compiler found" in hf_accel.report(model)["compile"].details["failure"]
-    assert len(entries(store)) == 1 and (store / "inductor").is_dir()
+    assert len(entries(store)) == 1 and (store / "code").is_dir()
 
 
 def test_a_store_that_cannot_be_written_costs_compiles_only(tmp_path, monkeypatch, caplog):
@@ -180,7 +181,7 @@ def test_a_store_that_cannot_be_written_costs_compiles_only(tmp_path, monkeypatc
 
 
 def test_without_a_home_directory_the_store_lives_in_the_temporary_directory(monkeypatch):
-    from hf_accel.compile_cache import default_cache_dir
+    from hf_accel.runtime.compile_cache import default_cache_dir
 
     for variable in ("HF_ACCEL_CACHE", "XDG_CACHE_HOME"):
         monkeypatch.delenv(variable, raising=False)
@@ -196,7 +197,7 @@ def test_clearing_removes_what_the_store_made_and_nothing_else(store):
     generate_patched(**AT_ONCE)
     (store / "notes.txt").write_text("mine")
     assert cli.main(["cache", "clear"]) == 0
-    assert not (store / "inductor").exists() and not (store / "index.json").exists()
+    assert not (store / "code").exists() and not (store / "index.json").exists()
     assert (store / "notes.txt").read_text() == "mine"
 
 
@@ -211,6 +212,6 @@ def test_cache_info_and_clear_on_the_command_line(store, capsys):
     out = capsys.readouterr().out
     assert f"{store}  (1 entries" in out and "LlamaForCausalLM (PackedLinear)" in out and SHAPE in out
     assert cli.main(["cache", "clear"]) == 0
-    assert f"emptied {store}" in capsys.readouterr().out and not (store / "inductor").exists()
+    assert f"emptied {store}" in capsys.readouterr().out and not (store / "code").exists()
     assert cli.main(["cache", "info"]) == 0
     assert "(0 entries, 0.0 MB)" in capsys.readouterr().out

@@ -8,9 +8,10 @@ import transformers
 from conftest import VOCAB, left_padded_batch, make_tiny_model
 
 import hf_accel
-from hf_accel import compiled_step
-from hf_accel.regions import ShapeClass
+from hf_accel.runtime import compiled_step
+from hf_accel.runtime.regions import ShapeClass
 from hf_accel_plugins import compile_inductor
+from hf_accel_plugins.compile_inductor import InductorCompiler
 
 #: Compile when a call first needs a shape: these tests are about the compiled graphs, not when to compile.
 AT_ONCE = {"compile": "inductor", "speculative": None, "compile_when": "first_use"}
@@ -128,7 +129,7 @@ def test_caches_of_every_batch_size_share_one_buffer_and_the_most_recent_are_kep
     """A server sees many batch sizes: one fixed-length cache each would grow without bound. The caches view
     one buffer pool (the largest batch x length asked for), each call refilling what it uses: calls that
     alternate batch sizes, each overwriting what the others' caches view, still get stock's tokens."""
-    from hf_accel.compiled_step import CACHES_KEPT
+    from hf_accel.runtime.compiled_step import CACHES_KEPT
 
     hf_accel.patch(llama, compile="inductor", compile_when="auto", cache_bucket=32, speculative=None)
     step = llama._hf_accel_state.compiled_step
@@ -161,7 +162,7 @@ def test_a_failed_compile_falls_back_to_eager_with_the_reason(llama, monkeypatch
     def no_compiler(self, graph, example_inputs):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(compiled_step.CountingBackend, "__call__", no_compiler)
+    monkeypatch.setattr(InductorCompiler, "__call__", no_compiler)
     ids, mask = left_padded_batch(llama)
     expected = greedy(llama, ids, mask, n=10)
     hf_accel.patch(llama, **AT_ONCE)
@@ -176,7 +177,7 @@ def test_a_graph_that_disagrees_with_eager_is_refused(llama, monkeypatch):
         self.graphs += 1
         return lambda *inputs: [out + 1.0 if out.is_floating_point() else out for out in graph(*inputs)]
 
-    monkeypatch.setattr(compiled_step.CountingBackend, "__call__", off_by_one)
+    monkeypatch.setattr(InductorCompiler, "__call__", off_by_one)
     ids, mask = left_padded_batch(llama)
     expected = greedy(llama, ids, mask, n=10)
     hf_accel.patch(llama, **AT_ONCE)
@@ -197,7 +198,7 @@ def test_a_graph_that_raises_when_it_runs_falls_back_to_eager_with_the_reason(ll
             return graph(*inputs)
         return run
 
-    monkeypatch.setattr(compiled_step.CountingBackend, "__call__", breaks_after_its_check)
+    monkeypatch.setattr(InductorCompiler, "__call__", breaks_after_its_check)
     ids, mask = left_padded_batch(llama)
     expected = greedy(llama, ids, mask, n=10)
     hf_accel.patch(llama, **AT_ONCE)
@@ -312,7 +313,7 @@ def test_auto_compiles_once_eager_calls_have_cost_as_much_as_compiling(llama, em
 
 
 def test_the_policy_weighs_eager_time_lost_against_the_compile_estimate():
-    from hf_accel.compile_policy import CompilePolicy
+    from hf_accel.runtime.compile_policy import CompilePolicy
 
     policy = CompilePolicy(saved_fraction=0.2)
     assert not policy.decide((5.0, "cold"), eager_seconds=10.0).compile  # lost 2 s < 5 s

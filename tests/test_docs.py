@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_accel import hookspecs
+from hf_accel.patching import hookspecs
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -22,7 +22,7 @@ def test_every_hookspec_is_documented_with_its_parameters():
     sections = dict(re.findall(r"^## (hf_accel_\w+)\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S))
     specs = hookspec_functions()
     assert specs, "no hookspecs found"
-    assert set(sections) == set(specs), "docs/hooks.md and hf_accel/hookspecs.py list different hooks"
+    assert set(sections) == set(specs), "docs/hooks.md and hf_accel/patching/hookspecs.py list different hooks"
     for name, fn in specs.items():
         for param in inspect.signature(fn).parameters:
             assert f"`{param}`" in sections[name], f"{name}: parameter {param!r} undocumented"

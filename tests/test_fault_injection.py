@@ -11,10 +11,10 @@ from conftest import left_padded_batch, make_tiny_model
 from torch import nn
 
 import hf_accel
-from hf_accel import patching
-from hf_accel.backends import BackendRegistry
-from hf_accel.features import FEATURE_NAMES
-from hf_accel_plugins.compile_onednn import _PACKED
+from hf_accel.patching.backends import BackendRegistry
+from hf_accel.patching.features import FEATURE_NAMES
+from hf_accel.patching.transaction import Transaction
+from hf_accel_plugins.onednn_packing import PACKED
 
 #: Every backend that can run on this machine, by feature.
 BACKENDS = [(status.feature, status.name) for status in hf_accel.available_backends() if status.available]
@@ -47,7 +47,7 @@ def snapshot(model: nn.Module) -> dict:
         "generation_config": model.generation_config.to_dict(),
         "logits": logits,
         "tokens": tokens,
-        "packed_copies": sum(id(p) in _PACKED for p in model.parameters()),  # process-wide, outside the model
+        "packed_copies": sum(id(p) in PACKED for p in model.parameters()),  # process-wide, outside the model
     }
 
 
@@ -124,7 +124,7 @@ def test_a_failure_in_verification_leaves_the_model_as_it_was(feature, name, mon
     def check(self, backend, probe, reference):
         raise Injected(f"injected into the verification of {backend.name}")
 
-    monkeypatch.setattr(patching._Transaction, "_check", check)
+    monkeypatch.setattr(Transaction, "_check", check)
     try:
         hf_accel.patch(model, **request_for(feature, name))
     except hf_accel.VerificationError as exc:
@@ -146,7 +146,7 @@ def test_a_failure_after_every_phase_leaves_the_model_as_it_was(arguments, monke
     def install(self):
         raise Injected("injected into install")
 
-    monkeypatch.setattr(patching._Transaction, "install", install)
+    monkeypatch.setattr(Transaction, "install", install)
     with pytest.raises(Injected):
         hf_accel.patch(model, **arguments)
     assert_unchanged(before, snapshot(model))

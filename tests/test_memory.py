@@ -8,8 +8,8 @@ import torch
 from conftest import left_padded_batch, make_tiny_model
 
 import hf_accel
-from hf_accel import memory
-from hf_accel_plugins.compile_onednn import _PACKED, PackedLinear
+from hf_accel.patching import memory
+from hf_accel_plugins.onednn_packing import PACKED, PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -27,7 +27,7 @@ def test_the_reports_bytes_are_the_tensors_each_feature_holds():
     report = hf_accel.report(model)
     state = model._hf_accel_state
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert report["compile"].memory["oneDNN-packed weights"] == nbytes(_PACKED[id(m.packed_handle)].packed
+    assert report["compile"].memory["oneDNN-packed weights"] == nbytes(PACKED[id(m.packed_handle)].packed
                                                                        for m in packed)
     assert report["compile"].memory["plain weights freed"] == -linear_bytes  # nothing held twice
     step_caches = [t for _, cache in state.compiled_step._caches.values() for layer in cache.layers
@@ -65,7 +65,7 @@ def test_the_reports_total_is_what_the_patch_holds_in_tensors():
     kv = [t for layer in state.kv_cache.layers if layer._stores for parts in layer._stores.values() for t in parts]
     tensors = [*model.parameters(), *model.buffers(), *draft.parameters(), *draft.buffers(), *kv,
                *(buffer for step in steps for buffer in step._pool._buffers.values())]
-    packed = [_PACKED[id(m.packed_handle)].packed for m in model.modules() if isinstance(m, PackedLinear)]
+    packed = [PACKED[id(m.packed_handle)].packed for m in model.modules() if isinstance(m, PackedLinear)]
     held = storage_bytes(tensors) + nbytes(packed) - before
     assert hf_accel.report(model).memory_bytes == held
     assert sum(step.cache_bytes() for step in steps) > 0

@@ -9,10 +9,11 @@ import torch
 from conftest import assert_same_state, left_padded_batch, make_tiny_model, state_dict_copy
 
 import hf_accel
-from hf_accel.generation import cache_keyword
-from hf_accel.kv_cache import Int8Layer, PreallocatedCache, PreallocatedLayer
-from hf_accel.verify import ProbeInputs
-from hf_accel_plugins.compile_onednn import PackedLinear
+from hf_accel.patching.verify import ProbeInputs
+from hf_accel.runtime.generation import cache_keyword
+from hf_accel.runtime.kv_cache import PreallocatedCache, PreallocatedLayer
+from hf_accel_plugins.kv_cache_static import Int8Layer
+from hf_accel_plugins.onednn_packing import PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -211,10 +212,10 @@ def test_packed_linears_follow_weight_changes_after_patch(options):
 
 
 def packed_copies_of(model) -> int:
-    from hf_accel_plugins.compile_onednn import _PACKED
+    from hf_accel_plugins.onednn_packing import PACKED
 
     gc.collect()
-    return sum(id(p) in _PACKED for p in model.parameters())
+    return sum(id(p) in PACKED for p in model.parameters())
 
 
 def test_a_weight_reassigned_through_data_is_repacked_on_direct_forwards_too():
@@ -239,9 +240,9 @@ def test_replaced_weights_leave_no_packed_copies_behind():
     ids, mask = left_padded_batch(model)
     linears = sum(isinstance(m, PackedLinear) for m in model.modules())
     assert packed_copies_of(model) == linears
-    from hf_accel_plugins.compile_onednn import _PACKED
+    from hf_accel_plugins.onednn_packing import PACKED
 
-    before = len(_PACKED)
+    before = len(PACKED)
     with torch.no_grad():
         for _ in range(5):
             model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight), requires_grad=False)
@@ -249,7 +250,7 @@ def test_replaced_weights_leave_no_packed_copies_behind():
             _reassign(up, torch.randn_like(up))
             model(ids, attention_mask=mask)
     gc.collect()
-    assert packed_copies_of(model) == linears and len(_PACKED) == before  # one copy per weight, old ones gone
+    assert packed_copies_of(model) == linears and len(PACKED) == before  # one copy per weight, old ones gone
     hf_accel.unpatch(model)
     assert packed_copies_of(model) == 0
 
@@ -336,7 +337,7 @@ def test_a_plain_tensor_assigned_as_a_freed_layers_weight_is_refused_as_nn_linea
 
 
 def test_a_layer_that_fails_to_pack_leaves_the_model_as_it_was(monkeypatch):
-    from hf_accel_plugins import compile_onednn
+    from hf_accel_plugins import onednn_packing
 
     model = make_tiny_model("llama")
     before = state_dict_copy(model)
@@ -348,7 +349,7 @@ def test_a_layer_that_fails_to_pack_leaves_the_model_as_it_was(monkeypatch):
             raise RuntimeError("out of memory")
         return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
-    monkeypatch.setattr(compile_onednn, "_reorder", failing)
+    monkeypatch.setattr(onednn_packing, "reorder", failing)
     with pytest.raises(hf_accel.PatchError):
         hf_accel.patch(model, compile="onednn_prepack", speculative=None)
     assert all(isinstance(m.weight, torch.nn.Parameter) for m in model.modules() if isinstance(m, torch.nn.Linear))

@@ -12,7 +12,7 @@ from conftest import assert_same_state, left_padded_batch, make_tiny_model, stat
 
 import hf_accel
 from hf_accel import Backend, hookimpl
-from hf_accel.state import get_state
+from hf_accel.patching.state import get_state
 
 
 def greedy(model, ids, mask, n=6):

@@ -10,7 +10,7 @@ from conftest import left_padded_batch, make_tiny_model
 
 import hf_accel
 from hf_accel import Backend, hookimpl
-from hf_accel.plugins import get_plugin_manager, plugin_names, reset_plugin_manager
+from hf_accel.patching.plugin_manager import get_plugin_manager, plugin_names, reset_plugin_manager
 
 
 def backend_names():

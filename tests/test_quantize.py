@@ -8,8 +8,8 @@ import transformers
 from conftest import assert_same_state, left_padded_batch, make_tiny_model, state_dict_copy
 
 import hf_accel
-from hf_accel_plugins.quantize_int4 import Int4Embedding, Int4WeightLinear
-from hf_accel_plugins.quantize_int8 import Int8Embedding, Int8WeightLinear
+from hf_accel_plugins.int4_layers import Int4Embedding, Int4WeightLinear
+from hf_accel_plugins.int8_layers import Int8Embedding, Int8WeightLinear
 
 QUANTIZED_TYPES = (Int8WeightLinear, Int8Embedding, Int4WeightLinear, Int4Embedding)
 
@@ -134,7 +134,7 @@ def test_nf4_is_served_by_bitsandbytes_and_int8_prefers_the_fast_cpu_kernel(llam
 
 
 def test_including_embeddings_quantizes_the_table_and_keeps_a_tied_head_tied():
-    from hf_accel_plugins.quantize_int8 import Int8Embedding
+    from hf_accel_plugins.int8_layers import Int8Embedding
 
     model = make_tiny_model("qwen2")
     model.config.tie_word_embeddings = True
@@ -157,7 +157,7 @@ def test_scaled_embeddings_are_left_alone():
 
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_int4_linear_matches_its_dequantized_weights(group_size):
-    from hf_accel_plugins.quantize_int4 import Int4WeightLinear, quantize_groups
+    from hf_accel_plugins.int4_layers import Int4WeightLinear, quantize_groups
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 96)
@@ -173,7 +173,7 @@ def test_int4_linear_matches_its_dequantized_weights(group_size):
 
 
 def test_int4_quantizes_every_architecture(tiny_model):
-    from hf_accel_plugins.quantize_int4 import Int4WeightLinear
+    from hf_accel_plugins.int4_layers import Int4WeightLinear
 
     ids, mask = left_padded_batch(tiny_model)
     hf_accel.patch(tiny_model, quantize="int4", speculative=None)
@@ -189,7 +189,7 @@ def test_int4_quantizes_every_architecture(tiny_model):
 
 
 def test_int4_embedding_and_head_with_a_tied_table():
-    from hf_accel_plugins.quantize_int4 import Int4Embedding, Int4WeightLinear
+    from hf_accel_plugins.int4_layers import Int4Embedding, Int4WeightLinear
 
     model = make_tiny_model("qwen2")
     model.config.tie_word_embeddings = True

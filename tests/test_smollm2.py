@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_accel
-from hf_accel.prompts import encode_chat, load_prompts
+from hf_accel.tools.prompts import encode_chat, load_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +126,7 @@ def test_compiled_decode_step_equals_stock_and_does_not_recompile(smollm2):
 
 
 def test_int4_with_embeddings_and_head_meets_its_memory_and_quality_targets(smollm2):
-    from hf_accel.quality import perplexity
+    from hf_accel.tools.quality import perplexity
 
     model, tokenizer = smollm2
     fp32 = perplexity(model, tokenizer)
@@ -142,8 +142,8 @@ def test_int4_with_embeddings_and_head_meets_its_memory_and_quality_targets(smol
 
 def test_a_cold_bench_run_reports_its_timings_and_tokens():
     """One fresh process of ``hf-accel bench --cold``: the user's script, patched, timed from the inside."""
-    from hf_accel.bench_cold import run_worker
-    from hf_accel.models import default_model_file
+    from hf_accel.tools.bench.cold import run_worker
+    from hf_accel.tools.models import default_model_file
 
     gguf = default_model_file()
     spec = {"model_dir": str(gguf.parent), "gguf_file": gguf.name, "prompt": "Say hello.", "max_new_tokens": 6,
@@ -179,9 +179,9 @@ def test_a_few_short_calls_cost_the_process_about_what_the_report_says_the_patch
     process's peak, which loading the GGUF file sets for both, and the peak since loading, which the calls
     set. Issue #19's 20 mixed calls up to batch 4 x 480 tokens are ``hf-accel bench --memory`` (slower than
     this suite allows; 1.24x there, docs/benchmarks.md)."""
-    from hf_accel.bench_cold import ColdConfig
-    from hf_accel.bench_memory import run_memory_bench
-    from hf_accel.models import default_model_file
+    from hf_accel.tools.bench.cold import ColdConfig
+    from hf_accel.tools.bench.memory import run_memory_bench
+    from hf_accel.tools.models import default_model_file
 
     gguf = default_model_file()
     prompts = [p.prompt for p in first_of_each_category()]

@@ -9,13 +9,19 @@ import pytest
 import torch
 from conftest import VOCAB, left_padded_batch, make_tiny_model
 from transformers import (
-    GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
 )
 
 import hf_accel
 from hf_accel import Backend, hookimpl
-from hf_accel import speculative
-from hf_accel.speculative import Draft, DraftLength, accept_sampled, install_runner
+from hf_accel.runtime.speculative import loop as speculative_loop
+from hf_accel.runtime.speculative.loop import Draft, DraftLength, accept_sampled
+from hf_accel.runtime.speculative.runner import install_runner
 
 
 class ScriptedDrafter:
@@ -279,7 +285,7 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
         kept_counts.append(kept[draft.lengths == 2])
         return kept, extra
 
-    monkeypatch.setattr(speculative, "accept_sampled", recording)
+    monkeypatch.setattr(speculative_loop, "accept_sampled", recording)
     torch.manual_seed(1)
     out = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new, pad_token_id=0,
                          **sampling)[:, 4:]
@@ -415,7 +421,7 @@ def test_a_checkpoint_loaded_through_a_quantizer_into_floats_can_self_draft(llam
 
 def test_a_draft_token_the_target_gives_no_probability_is_rejected_even_when_the_draw_is_zero(monkeypatch):
     """u < p/q with u in [0, 1): a token with p = 0 (banned by a processor) must never be accepted."""
-    from hf_accel.speculative import Draft, accept_sampled
+    from hf_accel.runtime.speculative.loop import Draft, accept_sampled
 
     p = torch.zeros(1, 2, 4)
     p[0, :, 1] = 1.0  # the target puts all its mass on token 1

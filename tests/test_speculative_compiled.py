@@ -10,10 +10,11 @@ from conftest import left_padded_batch, make_tiny_model
 from test_speculative import DivergingDrafter, ScriptedDrafter, drafter_plugin, greedy
 
 import hf_accel
-from hf_accel.cached_lm import CachedLM
-from hf_accel.kv_cache import PreallocatedCache, RollbackStaticCache
-from hf_accel import speculative
-from hf_accel.speculative import SelfDrafter
+from hf_accel.runtime.cached_lm import CachedLM
+from hf_accel.runtime.kv_cache import PreallocatedCache, RollbackStaticCache
+from hf_accel.runtime.speculative import loop as speculative_loop
+from hf_accel.runtime.speculative import runner as speculative_runner
+from hf_accel_plugins.drafters import SelfDrafter
 
 
 @pytest.fixture(autouse=True)
@@ -247,7 +248,7 @@ def test_a_cachedlm_over_another_ones_cache_gives_its_slots_back_and_never_moves
 
 
 def test_only_a_model_of_the_same_layer_shapes_and_dtype_runs_over_anothers_cache(tiny_model):
-    from hf_accel.speculative import eager_lm
+    from hf_accel.runtime.speculative.loop import eager_lm
 
     owner = CachedLM(tiny_model)
     config = copy.deepcopy(tiny_model.config)
@@ -263,7 +264,8 @@ def test_only_a_model_of_the_same_layer_shapes_and_dtype_runs_over_anothers_cach
 def test_a_self_draft_that_cannot_share_the_targets_cache_mirrors_it(settings, monkeypatch):
     """Where the copy cannot run over the target's cache (another dtype, a cache that cannot seek; a bf16
     model's compiled copy beside its eager target), it keeps a cache of its own and copies the target's slots."""
-    monkeypatch.setattr(speculative, "can_share", lambda owner, model: False)
+    for module in (speculative_loop, speculative_runner):
+        monkeypatch.setattr(module, "can_share", lambda owner, model: False)
     model = make_tiny_model("llama")
     ids, mask = left_padded_batch(model)
     expected = greedy(model, ids, mask, max_new_tokens=30)

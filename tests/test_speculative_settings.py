@@ -10,21 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import left_padded_batch, make_tiny_model
-from transformers import (
-    GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
-    StoppingCriteria,
-    StoppingCriteriaList,
-)
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
-from hf_accel.speculative_settings import (
-    SETTINGS,
-    blocking_settings,
-    known_fields,
-    settings_table,
-)
+from hf_accel.runtime.speculative.settings import SETTINGS, blocking_settings, known_fields, settings_table
 
 #: Per covered setting, generate arguments made from a reference greedy run (so that they bite on its tokens).
 CASES = {
@@ -306,7 +295,7 @@ def test_a_fallback_warns_once_per_reason_and_is_counted(llama, caplog):
 
 
 def test_a_model_cards_settings_that_block_speculation_are_listed(tmp_path, capsys):
-    from hf_accel.cli import main
+    from hf_accel.tools.cli import main
 
     GenerationConfig(repetition_penalty=1.1, num_beams=3, guidance_scale=1.5,
                      cache_implementation="hybrid").save_pretrained(tmp_path)  # generate drops "hybrid" itself

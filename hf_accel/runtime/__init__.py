@@ -1,0 +1,1 @@
+"""Generate time: the patched generate path, the caches, the compiled decode step and the speculative loop."""

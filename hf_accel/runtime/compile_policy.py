@@ -1,0 +1,73 @@
+"""When to compile a shape class of decoder layers: at first use, or once waiting for it has cost enough.
+
+Until a shape class is compiled its layers run eagerly on the patch's other backends (prepacked weights,
+the static cache, speculation), which is already most of the speedup: on SmolLM2 on a 2-core CPU the loop
+over prepacked weights ran 2.79x stock uncompiled and 3.13x compiled (docs/benchmarks.md). So a short script,
+or the first call of a notebook, need not wait for a compiler; a long-running process should compile soon.
+
+``when="auto"`` is the ski-rental rule: compile a shape class once running eagerly has lost, in the time a
+compiled graph would have saved, as much as compiling is expected to take. What counts as lost is the
+decode time that waited for this shape class so far plus what the rest of the current call is expected to
+take (its ``max_new_tokens`` at the model's measured eager seconds per token), times
+:data:`SAVED_FRACTION`. Each shape class pays for itself: a server's first batch of three does not stop
+for a compile because batch-1 calls waited before. So a call long enough to pay
+for a compile by itself compiles at its start, and a run of short calls compiles once they have paid. The
+estimate is what compiling took on this machine before (from the compile cache, whose compiled code makes
+the compile a cache hit), or :data:`COLD_COMPILE_SECONDS` for a shape class this machine never compiled.
+``when="first_use"`` compiles every shape class the first time a call needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Measured on the 2-core development CPU (SmolLM2-135M, inductor's on-disk cache empty): 13-15 s for the
+#: first graph of a process, 4-7 s for later ones.
+COLD_COMPILE_SECONDS = 10.0
+#: The same for shape classes whose artifacts this machine has (measured: 2.3 s for a process's first graph,
+#: 0.5 s for later ones); used until the store has measured a warm compile of its own.
+WARM_COMPILE_SECONDS = 2.0
+#: What compiling saves of an eager decode step: on SmolLM2, side by side in one `hf-accel bench` run
+#: (docs/benchmarks.md), the default patch compiled made 50.1 tok/s and its loop over the same prepacked
+#: weights uncompiled (the packing backend alone) 44.6: 11% less time.
+SAVED_FRACTION = 0.11
+
+WHEN = ("auto", "first_use")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether to compile a shape class now, and why (shown in the report)."""
+
+    compile: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class CompilePolicy:
+    """:param when: ``"auto"`` (compile once what a graph would have saved exceeds the compile's expected time)
+        or ``"first_use"``."""
+
+    when: str = "auto"
+    cold_estimate: float = COLD_COMPILE_SECONDS
+    warm_estimate: float = WARM_COMPILE_SECONDS
+    saved_fraction: float = SAVED_FRACTION
+
+    def __post_init__(self) -> None:
+        if self.when not in WHEN:
+            raise ValueError(f"compile_when={self.when!r} is not one of {', '.join(map(repr, WHEN))}")
+
+    def decide(self, estimate: tuple[float, str], eager_seconds: float, call_remaining: float = 0.0) -> Decision:
+        """:param estimate: seconds compiling is expected to take, and where that figure comes from.
+        :param eager_seconds: time the model's decode steps have run eagerly waiting for this shape class.
+        :param call_remaining: eager seconds the rest of the current call is expected to take."""
+        seconds, source = estimate
+        if self.when == "first_use":
+            return Decision(True, f"compiled at first use (compile_when='first_use'; {source})")
+        lost, expected = eager_seconds * self.saved_fraction, call_remaining * self.saved_fraction
+        account = f"waiting has lost ~{lost:.1f} s so far" + (
+            f" and would lose ~{expected:.1f} s more in this call" if call_remaining else "")
+        if lost + expected >= seconds:
+            return Decision(True, f"compiled: {account}, more than the ~{seconds:.1f} s compiling takes ({source})")
+        return Decision(False, f"eager for now: compiling is expected to take ~{seconds:.1f} s ({source}); "
+                               f"{account} (compile_when='first_use' compiles at once)")

@@ -1,0 +1,144 @@
+"""Reading a ``generate`` call as stock would: what the speculative loop needs to run it exactly (each row's
+processors, the stopping criteria, the token budget), or why it cannot."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+from hf_accel.runtime.generation import generated_length
+from hf_accel.runtime.speculative.settings import blocking_settings
+
+#: Model inputs a call may pass besides the token ids (anything else falls back to stock generate).
+_MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "logits_to_keep"})
+_GENERATE_ARGS = ("inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+                  "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
+                  "negative_prompt_attention_mask", "custom_generate")
+#: Calls stock ``generate`` refuses: the fallback lets it raise its own error, without a warning first.
+STOCK_RAISES_FOR_STOP_STRINGS = "stop_strings without tokenizer= (stock generate raises for it)"
+STOCK_RAISES_FOR_SEQUENCES = "num_return_sequences > 1 without sampling (stock generate raises for it)"
+_NOT_COVERED = ("synced_gpus", "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
+                "custom_generate", "assistant_tokenizer")
+
+
+@dataclass
+class CallPlan:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    config: GenerationConfig
+    processors: list[LogitsProcessorList]  # one list per row
+    draft_processors: list[LogitsProcessorList]  # the same without the user's own (a drafter's calls are extra)
+    stopping: StoppingCriteriaList | None
+    streamer: Any
+    max_new_tokens: int
+
+
+def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallPlan | str:
+    """Read a ``generate`` call as stock would; a string says why the loop cannot run it exactly."""
+    named = dict(zip(_GENERATE_ARGS, args))
+    if len(args) > len(_GENERATE_ARGS) or set(named) & set(kwargs):
+        return "positional arguments beyond generate's signature"
+    named.update(kwargs)
+    for name in _NOT_COVERED:
+        if named.pop(name, None) is not None:
+            return f"generate argument {name!r}"
+    input_ids = named.pop("inputs", None)
+    if input_ids is None:
+        input_ids = named.pop("input_ids", None)
+    else:
+        named.pop("input_ids", None)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        return "inputs other than a [batch, length] tensor of token ids"
+    if model.config.is_encoder_decoder:
+        return "encoder-decoder models"
+    extra = {k: named.pop(k, None)
+             for k in ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn", "tokenizer")}
+    call_settings = dict(named)
+    config, model_kwargs = model._prepare_generation_config(named.pop("generation_config", None), **named)
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    why = unsupported_setting(config, model_kwargs)
+    if why:
+        return why
+    max_new = generated_length(model, config, call_settings, input_ids)  # sets min_length as stock does too
+    if max_new < 1:
+        return "no tokens to generate (max_length <= prompt length)"
+    if config.pad_token_id is None:
+        eos = config.eos_token_id
+        config.pad_token_id = eos[0] if isinstance(eos, list) else eos
+    if attention_mask is None:
+        attention_mask = _infer_attention_mask(input_ids, config)
+    if config.num_return_sequences > 1:
+        if not config.do_sample:  # stock refuses it without beams; let it say so
+            return STOCK_RAISES_FOR_SEQUENCES
+        input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
+        attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
+    if extra["streamer"] is not None and input_ids.shape[0] > 1:
+        return "a streamer with batch > 1 (streamers take one row)"
+    if (config.output_scores or config.output_logits) and input_ids.shape[0] > 1:
+        # Stock keeps scoring rows that ended (on padding) until the last row ends; the loop stops running them.
+        return "output_scores/output_logits with batch > 1"
+    if extra["tokenizer"] is None and config.stop_strings:
+        return STOCK_RAISES_FOR_STOP_STRINGS
+    if input_ids.shape[0] > 1 and config.eos_token_id in (None, []) and (config.stop_strings or config.max_time):
+        # Without an EOS token stock pads no row: a row a stop string or the clock ended keeps generating real
+        # tokens until every row has ended; the loop would stop it.
+        return "stop_strings or max_time with batch > 1 and no eos_token_id"
+    for name in ("logits_processor", "stopping_criteria"):
+        if extra[name] and input_ids.shape[0] > 1:
+            # Built-in processors are built per row; a user's object is one for the whole batch and may read
+            # rows by index or keep per-row state, so calling it one row at a time could change its answers.
+            return f"a {name} of your own with batch > 1 (the loop calls it one row at a time)"
+    model._prepare_special_tokens(config, True, input_ids.device)
+    # Each row's processors are built and called as a batch of one (the prompt row it came from, for
+    # prefix_allowed_tokens_fn: stock numbers expanded rows by their prompt).
+    row_config = copy.copy(config)
+    row_config.num_return_sequences = 1
+    processors = [_row_processors(model, row_config, input_ids, attention_mask, b, b // config.num_return_sequences,
+                                  extra) for b in range(len(input_ids))]
+    # The user's processors and prefix_allowed_tokens_fn see exactly stock's calls; a drafter's would be extra
+    # ones, about prefixes stock never builds (past an EOS, or a draft later rejected).
+    users = {"logits_processor": None, "prefix_allowed_tokens_fn": None}
+    draft_processors = processors if not any(extra[k] for k in users) else [
+        _row_processors(model, row_config, input_ids, attention_mask, b, b // config.num_return_sequences,
+                        {**extra, **users}) for b in range(len(input_ids))]
+    # Stock's criteria (lengths, EOS, stop strings, time) merged with the user's as stock merges them; the loop
+    # checks them per row after each token.
+    stopping = model._get_stopping_criteria(config, StoppingCriteriaList(extra["stopping_criteria"] or []),
+                                            tokenizer=extra["tokenizer"])
+    return CallPlan(input_ids, attention_mask, config, processors, draft_processors, stopping, extra["streamer"],
+                    max_new)
+
+
+def _row_processors(model: Any, config: GenerationConfig, input_ids: torch.Tensor, mask: torch.Tensor, row: int,
+                    prompt: int, extra: dict[str, Any]) -> LogitsProcessorList:
+    """Stock's processor list for one row of the call, as ``generate`` would build it for the batch: the user's
+    merged with those the settings ask for. Built per row because some processors hold per-row state (the
+    row's padding, for the repetition penalty) or ask a function about their row by index."""
+    allowed = extra["prefix_allowed_tokens_fn"]
+    return model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids[row:row + 1],
+        prefix_allowed_tokens_fn=None if allowed is None else (lambda _, prefix: allowed(prompt, prefix)),
+        logits_processor=LogitsProcessorList(extra["logits_processor"] or []), device=input_ids.device,
+        model_kwargs={"attention_mask": mask[row:row + 1]})
+
+
+def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
+    """Stock's rule: the pad token marks padding, unless it is also the EOS token."""
+    pad, eos = config.pad_token_id, config.eos_token_id
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
+        return input_ids.ne(pad).long()
+    return torch.ones_like(input_ids)
+
+
+def unsupported_setting(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
+    """What in a call the loop cannot reproduce exactly (see :mod:`hf_accel.runtime.speculative.settings`), or None."""
+    blocking = blocking_settings(config, with_values=False)  # one reason per setting, whatever its value
+    if blocking:
+        return f"generation setting {blocking[0]}"
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_INPUTS and v is not None)
+    return f"generate argument {extra[0]!r}" if extra else None

@@ -1,0 +1,84 @@
+"""The tables and chart ``hf-accel bench`` prints and saves from its rows."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+from hf_accel.tools.bench.steady import Row
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ("config", "prompt", "tok/s", "min-max", "TTFT s", "warm-up s", "compile s", "vs stock", "vs native",
+              "accept", "peak RSS MB", "identical")
+    lines = [header]
+    for r in rows:
+        lines.append((r.config, r.prompt, f"{r.tokens_per_s:.1f}", f"{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}",
+                      f"{r.ttft_s:.2f}", f"{r.warmup_s:.1f}", "-" if r.compile_s is None else f"{r.compile_s:.1f}",
+                      f"{r.speedup:.2f}x",
+                      "-" if r.vs_best_native is None else f"{r.vs_best_native:.2f}x",
+                      "-" if r.acceptance is None else f"{r.acceptance:.0%}",
+                      "-" if r.peak_rss_mb is None else f"{r.peak_rss_mb:.0f}", "yes" if r.identical else "no"))
+    lines = [tuple(_cell(c) for c in line) for line in lines]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
+    out.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
+    return "\n".join(out)
+
+
+def summary_table(rows: list[Row]) -> str:
+    """Per configuration: geometric-mean speedup over the prompts, and whether every output was identical."""
+    by_config: dict[str, list[Row]] = {}
+    for r in rows:
+        by_config.setdefault(r.config, []).append(r)
+    quality = any(r.perplexity is not None for r in rows)
+    head = ("| config | mean tok/s | speedup (geo-mean) | identical | compile s |"
+            + (" perplexity | weights MB |" if quality else ""))
+    lines = [head, "| --- " * (5 + 2 * quality) + "|"]
+    for name, group in by_config.items():
+        geo = statistics.geometric_mean(r.speedup for r in group)
+        tps = statistics.mean(r.tokens_per_s for r in group)
+        same = sum(r.identical for r in group)
+        agreement = [r.agreement for r in group if r.agreement is not None]
+        line = f"| {_cell(name)} | {tps:.1f} | {geo:.2f}x | {same}/{len(group)}"
+        line += f" ({statistics.mean(agreement):.0%} of tokens) |" if agreement and same < len(group) else " |"
+        line += f" {'-' if group[0].compile_s is None else f'{group[0].compile_s:.1f}'} |"
+        if quality:
+            ppl, mb = group[0].perplexity, group[0].weight_mb
+            line += f" {'-' if ppl is None else f'{ppl:.3f}'} | {'-' if mb is None else f'{mb:.0f}'} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    """Table cell text; a literal ``|`` (in a regex option, say) would split a Markdown cell."""
+    return str(value).replace("|", "\\|")
+
+
+def write_json(rows: list[Row], path: str | Path) -> None:
+    Path(path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+def plot(rows: list[Row], path: str | Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ValueError("--plot needs matplotlib: pip install 'hf_accel[plot]'") from exc
+    configs = list(dict.fromkeys(r.config for r in rows))
+    prompts = list(dict.fromkeys(r.prompt for r in rows))
+    speed = {(r.config, r.prompt): r.tokens_per_s for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(prompts) * len(configs) / 3), 5))
+    width = 0.8 / len(configs)
+    for i, config in enumerate(configs):
+        xs = [p + i * width for p in range(len(prompts))]
+        ax.bar(xs, [speed.get((config, p), 0) for p in prompts], width, label=config)
+    ax.set_xticks([p + 0.4 - width / 2 for p in range(len(prompts))], prompts, rotation=20, ha="right")
+    ax.set_ylabel("tokens/s (greedy)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

