@@ -93,19 +93,21 @@ def test_unpatch_waits_for_the_call_in_progress():
     model = make_tiny_model("llama")
     ids, mask = left_padded_batch(model, (9, 4, 7))
     expected = run(model, 3, 16, False, ids, mask)
-    started, release = threading.Event(), threading.Event()
+    armed, started, release = threading.Event(), threading.Event(), threading.Event()
 
     seen = {}
 
     class Holds:
         @hf_accel.hookimpl(wrapper=True)
         def hf_accel_generate(self, call):
-            started.set()
-            release.wait(10)
-            seen["patched during the call"] = hasattr(call.model, "_hf_accel_state")
+            if armed.is_set():  # the user's call, not the patch's own verification probes
+                started.set()
+                release.wait(10)
+                seen["patched during the call"] = hasattr(call.model, "_hf_accel_state")
             return (yield)
 
     hf_accel.patch(model, plugins=[Holds()], compile=None)
+    armed.set()
     result = {}
     caller = threading.Thread(target=lambda: result.setdefault("out", run(model, 3, 16, False, ids, mask)))
     caller.start()
