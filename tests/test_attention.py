@@ -1,4 +1,5 @@
-"""Attention backends against eager: logits on real tokens, greedy tokens, and the flash-attn wiring."""
+"""The attention backends' own wiring: flash-attn's adapter and which SDPA kernel runs. Their logits and greedy
+tokens against eager, over architectures and shapes, are the conformance suite's (tests/test_conformance.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,6 @@ from flash_reference import ReferenceFlashAttn
 
 import hf_accel
 from hf_accel_plugins import attention_flash
-
-SHAPES = {"batch1-len1": (1,), "batch1-len17": (17,), "batch1-len300": (300,), "batch3-left-padded": (17, 5, 11),
-          "batch3-long": (300, 40, 120)}
-BACKENDS = ["sdpa", "sdpa_flash", "flash_attn"]
 
 
 @pytest.fixture
@@ -25,36 +22,6 @@ def reference_kernels():
 def logits_on_real_tokens(model, ids, mask):
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_backend_logits_match_eager(arch, backend, shape, reference_kernels):
-    model = make_tiny_model(arch)
-    ids, mask = left_padded_batch(model, SHAPES[shape])
-    hf_accel.patch(model, attention="eager", kv_cache=None, compile=None, speculative=None)
-    expected = logits_on_real_tokens(model, ids, mask)
-    hf_accel.unpatch(model)
-    try:
-        hf_accel.patch(model, attention=backend, kv_cache=None, compile=None, speculative=None)
-    except hf_accel.BackendUnavailableError as exc:
-        assert backend == "sdpa" or "soft-capping" in str(exc)  # sdpa cannot softcap (gemma2)
-        pytest.skip(str(exc))
-    torch.testing.assert_close(logits_on_real_tokens(model, ids, mask), expected, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_backend_greedy_generate_is_token_identical(tiny_model, backend, shape, reference_kernels):
-    ids, mask = left_padded_batch(tiny_model, SHAPES[shape])
-    expected = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
-    try:
-        hf_accel.patch(tiny_model, attention=backend, speculative=None, compile=None)  # compiled: test_compiled_step
-    except hf_accel.BackendUnavailableError:
-        pytest.skip("backend cannot serve this architecture")
-    assert hf_accel.report(tiny_model)["attention"].backend == backend
-    out = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
-    assert torch.equal(out, expected)
 
 
 def test_flash_attn_adapter_unpads_to_cu_seqlens(reference_kernels):

@@ -11,8 +11,8 @@ from conftest import left_padded_batch, make_tiny_model
 from torch import nn
 
 import hf_accel
-from hf_accel.patching.backends import BackendRegistry
 from hf_accel.patching.features import FEATURE_NAMES
+from hf_accel.patching.registry import BackendRegistry
 from hf_accel.patching.transaction import Transaction
 from hf_accel_plugins.onednn_packing import PACKED
 

@@ -10,10 +10,10 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from hf_accel.patching.backends import BackendRegistry
 from hf_accel.patching.errors import PatchError
 from hf_accel.patching.features import FEATURE_NAMES
 from hf_accel.patching.plugin_manager import get_plugin_manager, plugin_manager_with
+from hf_accel.patching.registry import BackendRegistry
 from hf_accel.patching.report import PatchReport
 from hf_accel.patching.state import get_state
 from hf_accel.patching.transaction import Transaction, empty_report, undo_all
@@ -30,6 +30,7 @@ def patch(
     speculative: Any = "auto",
     compile: Any = "auto",
     verify: bool = True,
+    strict: bool = False,
     plugins: Iterable[Any] = (),
     **options: Any,
 ) -> Any:
@@ -46,16 +47,20 @@ def patch(
         >>> print(hf_accel.report(model))
 
     :param model: a ``PreTrainedModel``, or one wrapped by accelerate, DDP, ``torch.compile`` or PEFT.
-    :param verify: check each backend with a short probe against the model before it; fall back on mismatch.
+    :param verify: check each backend with a short probe against the model before it (and each module it
+        replaces against the original); fall back on mismatch.
+    :param strict: raise instead of falling back: when a backend ``auto`` chose fails its verification, when a
+        requested variant (``quantize="int8"``) finds no backend, and when a generate call would run stock
+        ``generate`` instead of the speculative loop. For plugin authors who want to know.
     :param plugins: plugin objects to use for this call only, next to the registered ones.
     :param options: backend options (see ``hf_accel.available_backends()``); unknown names raise ``ValueError``.
     """
     target = unwrap_model(model)
     requests = {"quantize": quantize, "attention": attention, "kv_cache": kv_cache, "compile": compile,
                 "speculative": speculative}
-    _validate_call(verify, plugins)
+    _validate_call(verify, plugins, strict)
     plugins = tuple(plugins)  # once: a generator would be empty the second time
-    arguments = {**requests, "verify": verify, "plugins": plugins, **options}
+    arguments = {**requests, "verify": verify, "strict": strict, "plugins": plugins, **options}
     with _patch_lock(target):  # two threads patching one model: the second sees the first's patch
         return _patch(model, target, requests, arguments, verify, plugins, options)
 
@@ -82,7 +87,7 @@ def _patch(model: Any, target: Any, requests: dict[str, Any], arguments: dict[st
             return model
         raise ValueError(f"{type(target).__name__} is already patched with {_argument_text(existing.arguments)}; call "
                          f"hf_accel.unpatch(model) first to patch it with {_argument_text(arguments)}")
-    transaction = Transaction(target, pm, registry, options, verify, arguments)
+    transaction = Transaction(target, pm, registry, options, verify, arguments, strict=arguments["strict"])
     try:
         for feature in FEATURE_NAMES:
             transaction.run_phase(feature, requests[feature])
@@ -170,13 +175,14 @@ def check_arguments(plugins: Iterable[Any] = (), **arguments: Any) -> None:
         ValueError: Unknown attention backend 'flashy'; valid values: None, 'auto', 'eager', 'sdpa'. ...
     """
     requests = {f: arguments.pop(f) for f in FEATURE_NAMES if f in arguments}
-    _validate_call(arguments.pop("verify", True), plugins)
+    _validate_call(arguments.pop("verify", True), plugins, arguments.pop("strict", False))
     _validate(requests, arguments, BackendRegistry.collect(plugin_manager_with(plugins)))
 
 
-def _validate_call(verify: Any, plugins: Any) -> None:
-    if not isinstance(verify, bool):
-        raise ValueError(f"patch() argument verify={verify!r} is not valid: expected True or False")
+def _validate_call(verify: Any, plugins: Any, strict: Any = False) -> None:
+    for name, value in (("verify", verify), ("strict", strict)):
+        if not isinstance(value, bool):
+            raise ValueError(f"patch() argument {name}={value!r} is not valid: expected True or False")
     if isinstance(plugins, (str, bytes)) or not isinstance(plugins, Iterable):
         raise ValueError(f"patch() argument plugins={plugins!r} is not valid: expected a list of plugin objects")
 

@@ -1,10 +1,11 @@
-"""What a backend is, and the registry that collects them from plugins."""
+"""What a backend is: its capabilities, options and the context it is applied in (the registry that collects
+them from plugins is :mod:`hf_accel.patching.registry`)."""
 
 from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
 import torch
@@ -14,7 +15,6 @@ from hf_accel.patching.features import FEATURE_NAMES
 from hf_accel.patching.memory import shortfall
 
 if TYPE_CHECKING:
-    import pluggy
     from transformers import PreTrainedModel
 
     from hf_accel.patching.report import FeatureReport
@@ -31,6 +31,8 @@ class Capabilities:
     :param dtypes: parameter dtypes it accepts; empty means any.
     :param sliding_window: whether it handles sliding-window attention layers.
     :param softcap: whether it handles attention logit soft-capping.
+    :param grouped_query: whether it handles grouped-query (and multi-query) attention: fewer key/value heads
+        than query heads.
     :param partial_weights: whether it serves a model whose weights are not all whole and in place on this
         process: sharded across processes (``DTensor`` parameters: transformers' ``tp_plan``) or offloaded by
         accelerate (``device_map`` with ``"disk"``/``"cpu"`` offload: meta parameters, loaded per layer as it
@@ -44,6 +46,7 @@ class Capabilities:
     dtypes: tuple[torch.dtype, ...] = ()
     sliding_window: bool = True
     softcap: bool = True
+    grouped_query: bool = True
     partial_weights: bool = False
     split_devices: bool = False
 
@@ -214,11 +217,9 @@ class Backend:
         if caps.dtypes and context.dtype not in caps.dtypes:
             names = "/".join(str(d).removeprefix("torch.") for d in caps.dtypes)
             return f"needs {names} weights, the model is {str(context.dtype).removeprefix('torch.')}"
-        needs = model_needs(context.model.config)
-        if needs["sliding_window"] and not caps.sliding_window:
-            return "does not support sliding-window attention, which this model uses"
-        if needs["softcap"] and not caps.softcap:
-            return "does not support attention logit soft-capping, which this model uses"
+        for need, used in model_needs(context.model.config).items():
+            if used and not getattr(caps, need):
+                return f"does not support {NEEDS_IN_WORDS[need]}, which this model uses"
         where = None if caps.partial_weights else partial_weights(context.model)
         if where:
             return f"needs whole weight matrices in place; this model's are {where}"
@@ -250,15 +251,24 @@ def weight_devices(model: torch.nn.Module) -> list[str]:
 
 
 def model_needs(config: Any) -> dict[str, bool]:
-    """The attention features a model's config asks for, read from the config's data, not its class."""
+    """The attention features a model's config asks for (keys: the :class:`Capabilities` that serve them), read
+    from the config's data, not its class."""
+    config = config.get_text_config(decoder=True)
     layer_types = getattr(config, "layer_types", None) or ()
     sliding = bool(getattr(config, "sliding_window", None)) and (
         "sliding_attention" in layer_types or getattr(config, "use_sliding_window", True) is not False
     )
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return {
         "sliding_window": sliding,
         "softcap": getattr(config, "attn_logit_softcapping", None) is not None,
+        "grouped_query": bool(heads and kv_heads and kv_heads < heads),
     }
+
+
+NEEDS_IN_WORDS = {"sliding_window": "sliding-window attention", "softcap": "attention logit soft-capping",
+                  "grouped_query": "grouped-query attention"}
 
 
 def _device_present(device_type: str) -> bool:
@@ -266,63 +276,3 @@ def _device_present(device_type: str) -> bool:
         return True
     module = getattr(torch, device_type, None)
     return bool(module and getattr(module, "is_available", lambda: False)())
-
-
-class BackendRegistry:
-    """The backends all registered plugins offer, by name."""
-
-    def __init__(self, backends: Mapping[str, Backend]) -> None:
-        self._backends = dict(backends)
-
-    @classmethod
-    def collect(cls, pm: pluggy.PluginManager) -> BackendRegistry:
-        backends: dict[str, Backend] = {}
-        for impl in pm.hook.hf_accel_register_backends.get_hookimpls():
-
-            def register(backend: Backend, _plugin: str = impl.plugin_name) -> None:
-                if not isinstance(backend, Backend):
-                    raise TypeError(f"plugin {_plugin!r} registered {backend!r}; expected an hf_accel.Backend")
-                if backend.name in backends:
-                    other = backends[backend.name].plugin
-                    raise ValueError(
-                        f"Backend name {backend.name!r} is registered by both {other!r} and {_plugin!r}; "
-                        "disable one with HF_ACCEL_DISABLE_PLUGINS"
-                    )
-                backends[backend.name] = replace(backend, plugin=_plugin)
-
-            impl.function(register=register)
-        return cls(backends)
-
-    def __iter__(self):
-        return iter(self._backends.values())
-
-    def __len__(self) -> int:
-        return len(self._backends)
-
-    def get(self, name: str) -> Backend | None:
-        return self._backends.get(name)
-
-    def for_feature(self, feature: str) -> list[Backend]:
-        """This feature's backends, highest priority first."""
-        found = [b for b in self._backends.values() if b.feature == feature]
-        return sorted(found, key=lambda b: -b.priority)
-
-    def valid_requests(self, feature: str) -> list[str]:
-        """Every string a user may pass for this feature."""
-        values = {"auto"}
-        for backend in self.for_feature(feature):
-            values.add(backend.name)
-            values.update(backend.variants)
-        return sorted(values)
-
-    def option_names(self) -> set[str]:
-        return {name for backend in self for name in backend.options}
-
-    def option_problem(self, name: str, value: Any) -> str | None:
-        """Why ``patch(..., name=value)`` is not valid for every backend that declares the option, or None."""
-        for backend in self:
-            spec = backend.options.get(name)
-            if isinstance(spec, Option) and not spec.accepts(value):
-                return f"expected {spec.expected} (backend {backend.name!r})"
-        return None
-

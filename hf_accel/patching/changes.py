@@ -20,7 +20,10 @@ class Changes:
         changes.undo()   # the config is as it was
     """
 
-    def __init__(self) -> None:
+    def __init__(self, check_replacement: Callable[[nn.Module, str, nn.Module, nn.Module], None] | None = None) -> None:
+        #: Called as ``check_replacement(parent, name, original, replacement)`` before a module is swapped in;
+        #: raises to refuse it (the transaction compares their outputs: :class:`~hf_accel.patching.verify.LayerCheck`).
+        self.check_replacement = check_replacement
         self._undos: list[Callable[[], None]] = []
         self._irreversible_on_commit: str | None = None
         self._on_commit: list[Callable[[], None]] = []
@@ -43,10 +46,13 @@ class Changes:
 
     def set_submodule(self, parent: nn.Module, name: str, module: nn.Module) -> None:
         """Replace the child module ``parent.<name>``; the original comes back on undo, unless the user has put
-        another module there since (``resize_token_embeddings``, pruning): that one stays."""
+        another module there since (``resize_token_embeddings``, pruning): that one stays. When verifying, the
+        replacement is first checked against the original (see ``check_replacement``)."""
         if name not in parent._modules:
             raise KeyError(f"{type(parent).__name__} has no child module {name!r}")
         original = parent._modules[name]
+        if self.check_replacement is not None:
+            self.check_replacement(parent, name, original, module)
         self._undos.append(lambda: _put_back(parent, name, module, original))
         hook = getattr(original, "_hf_hook", None)
         if hook is not None and getattr(module, "_hf_hook", None) is None:

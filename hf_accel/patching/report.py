@@ -19,13 +19,17 @@ class Verification:
     tolerance: float | None = None
     top1_agreement: float | None = None
     detail: str = ""
+    #: Where the error was largest: a layer the backend replaced, or a row and position of the probe.
+    where: str = ""
 
     def __str__(self) -> str:
         if not self.passed and self.error is None:
             return f"FAILED: {self.detail}"
         if self.probe == "generate":
             return f"{'ok' if self.passed else 'FAILED'}: greedy tokens {'identical' if self.passed else 'differ'}"
-        parts = [f"{'ok' if self.passed else 'FAILED'}: logit error {self.error:.1e} (bound {self.tolerance:.0e})"]
+        what = "output error" if self.probe == "layer" else "logit error"
+        where = f" at {self.where}" if self.where and not self.passed else ""
+        parts = [f"{'ok' if self.passed else 'FAILED'}: {what} {self.error:.1e}{where} (bound {self.tolerance:.0e})"]
         if self.top1_agreement is not None and self.top1_agreement < 1:
             parts.append(f"top-1 agreement {self.top1_agreement:.0%}")
         return ", ".join(parts)

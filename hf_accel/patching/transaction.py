@@ -8,14 +8,17 @@ from typing import Any, Mapping
 
 import torch
 
-from hf_accel.patching.backends import Backend, BackendRegistry, PatchContext
+from hf_accel.patching.backends import Backend, PatchContext
 from hf_accel.patching.changes import Changes
 from hf_accel.patching.errors import BackendUnavailableError, PatchError, VerificationError
 from hf_accel.patching.features import FEATURE_NAMES, get_feature
+from hf_accel.patching.registry import BackendRegistry
 from hf_accel.patching.report import FeatureReport, PatchReport, Verification
 from hf_accel.patching.state import STATE_ATTR, PatchState
 from hf_accel.patching.verify import (
     LOSSLESS_TOLERANCE,
+    LayerCheck,
+    LayerMismatch,
     ProbeInputs,
     compare_logits,
     compare_tokens,
@@ -54,12 +57,13 @@ class Transaction:
     """Applies one feature after another, verifying each, and can roll all of them back."""
 
     def __init__(self, model, pm, registry: BackendRegistry, options: Mapping[str, Any], verify: bool,
-                 arguments: Mapping[str, Any]) -> None:
+                 arguments: Mapping[str, Any], strict: bool = False) -> None:
         device, dtype = _model_device_dtype(model)
         self.model = model
         self.registry = registry
         self.options = options
         self.verify = verify
+        self.strict = strict
         self.state = PatchState(model=model, pm=pm, device=device, dtype=dtype, report=empty_report(model),
                                 original_generate=model.generate, arguments=dict(arguments))
         self._probe: ProbeInputs | None = None
@@ -87,11 +91,7 @@ class Transaction:
                 feature=backend.feature, backend=backend.name, plugin=backend.plugin)
         verification = self._apply(backend, context)
         if verification is not None and not verification.passed:
-            raise VerificationError(
-                f"{backend.feature}={backend.name!r} (plugin {backend.plugin!r}) changed the model's outputs: "
-                f"{verification} {verification.detail}".rstrip()
-                + ". Pass verify=False to keep it anyway, or choose another backend.",
-                feature=backend.feature, backend=backend.name, plugin=backend.plugin)
+            raise _refusal(backend, verification, "Pass verify=False to keep it anyway, or choose another backend.")
         report.backend, report.plugin, report.reason = backend.name, backend.plugin, "forced by the caller"
 
     def _run_auto(self, feature: str, request: Any, report: FeatureReport) -> None:
@@ -119,12 +119,19 @@ class Transaction:
                 report.backend, report.plugin = chosen.name, chosen.plugin
                 report.reason = f"auto: {chosen.description}" if chosen.description else "auto"
                 return
+            if self.strict:
+                raise _refusal(chosen, verification, "strict=True turns this fallback into an error; pass "
+                               "strict=False to let hf_accel try the next backend.")
             report.skip(chosen.name, f"failed verification ({verification} {verification.detail})".strip())
             available.remove(chosen)
         if not wanted:
             report.reason = f"no {feature} backend registered for {request!r}"
         else:
             report.reason = "no backend can serve this model here (see skipped)"
+        if self.strict and request not in (True, "auto"):
+            skipped = "; ".join(f"{s['backend']}: {s['reason']}" for s in report.skipped) or report.reason
+            raise BackendUnavailableError(f"{feature}={request!r} found no backend ({skipped}); strict=True turns "
+                                          "this fallback into an error", feature=feature)
 
     def _context(self, feature: str, request: Any, report: FeatureReport) -> PatchContext:
         return PatchContext(model=self.model, feature=feature, request=request, options=self.options,
@@ -133,9 +140,15 @@ class Transaction:
     def _apply(self, backend: Backend, context: PatchContext) -> Verification | None:
         probe = backend.probe if self.verify else None
         reference = self._reference_for(probe) if probe else None
+        if probe:
+            context.changes.check_replacement = LayerCheck(self.model, self._tolerance(backend))
         self.state.changes.append(context.changes)  # registered first, so a half-done apply is rolled back
         try:
             backend.apply(context)
+        except LayerMismatch as mismatch:
+            self.state.changes.pop().undo()
+            context.report.verification = mismatch.verification()
+            return context.report.verification
         except Exception as exc:
             raise PatchError(
                 f"plugin {backend.plugin!r} failed in the {backend.feature} phase (backend {backend.name!r}): "
@@ -175,13 +188,16 @@ class Transaction:
             actual = greedy_tokens(lambda **kw: run_generate(self.state, (), kw), inputs)
             return compare_tokens(reference, actual)
         actual = forward_logits(self.model, inputs)
-        tolerance = backend.tolerance
-        if tolerance is None:
-            tolerance = LOSSLESS_TOLERANCE.get(self.state.dtype, 3e-2)
-        verification = compare_logits(reference, actual, tolerance)
+        verification = compare_logits(reference, actual, self._tolerance(backend), inputs)
         if verification.passed:  # later phases compare against this model, not the original
             self._reference = {"forward": actual}
         return verification
+
+    def _tolerance(self, backend: Backend) -> float:
+        """The relative error ``backend`` may cause: its own for a lossy one, rounding for a lossless one."""
+        if backend.tolerance is not None:
+            return backend.tolerance
+        return LOSSLESS_TOLERANCE.get(self.state.dtype, 3e-2)
 
     # -- install / rollback -----------------------------------------------------------------------------
     def install(self) -> None:
@@ -193,6 +209,14 @@ class Transaction:
 
     def rollback(self) -> None:
         undo_all(self.state.changes)
+
+
+def _refusal(backend: Backend, verification: Verification, what_to_do: str) -> VerificationError:
+    """The error for a backend whose verification failed: the backend, where and by how much, what to do."""
+    return VerificationError(
+        f"{backend.feature}={backend.name!r} (plugin {backend.plugin!r}) changed the model's outputs: "
+        f"{verification} {verification.detail}".rstrip() + f". {what_to_do}",
+        feature=backend.feature, backend=backend.name, plugin=backend.plugin)
 
 
 def _answers(backend: Backend, request: Any) -> bool:

@@ -102,11 +102,88 @@ def greedy_tokens(generate: Callable[..., torch.Tensor], probe: ProbeInputs) -> 
         )
 
 
-def compare_logits(reference: torch.Tensor, actual: torch.Tensor, tolerance: float) -> Verification:
-    error = ((actual - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
+def compare_logits(reference: torch.Tensor, actual: torch.Tensor, tolerance: float,
+                   probe: ProbeInputs | None = None) -> Verification:
+    """``actual`` against ``reference`` (``[n_real_tokens, vocab]``, from :func:`forward_logits` of ``probe``):
+    the relative error, where it is largest, and how often the top token agrees."""
+    difference = (actual - reference).abs().nan_to_num(float("inf")).amax(-1)
+    error = (difference.max() / reference.abs().max().clamp_min(1e-6)).item()
     agreement = (actual.argmax(-1) == reference.argmax(-1)).float().mean().item()
     passed = error <= tolerance and bool(torch.isfinite(actual).all())
-    return Verification(probe="forward", passed=passed, error=error, tolerance=tolerance, top1_agreement=agreement)
+    where = _probe_position(probe, int(difference.argmax())) if probe is not None else ""
+    return Verification(probe="forward", passed=passed, error=error, tolerance=tolerance, top1_agreement=agreement,
+                        where=where)
+
+
+def _probe_position(probe: ProbeInputs, token: int) -> str:
+    """The probe's ``token``-th real token (counting the batch's real tokens in order) in words."""
+    row, column = probe.attention_mask.nonzero()[token].tolist()
+    padding = int((probe.attention_mask[row, :column] == 0).sum())
+    first = " (its first token)" if column == padding else ""
+    return f"row {row}, token {column - padding}{first} of the forward probe"
+
+
+class LayerMismatch(Exception):
+    """A replacement module's output differs from the module it replaces beyond the bound."""
+
+    def __init__(self, layer: str, error: float, tolerance: float) -> None:
+        super().__init__(f"layer {layer}: output error {error:.1e} (bound {tolerance:.0e})")
+        self.layer, self.error, self.tolerance = layer, error, tolerance
+
+    def verification(self) -> Verification:
+        return Verification(probe="layer", passed=False, error=self.error, tolerance=self.tolerance,
+                            where=f"layer {self.layer}")
+
+
+class LayerCheck:
+    """Compares a module a backend swaps in with the one it replaces, on a few rows of seeded random input,
+    before the swap (as ``kernels`` validates a layer before replacing it): a replacement whose outputs move
+    by more than ``tolerance`` (relative to the original's largest output) is refused, naming the layer.
+    Layers whose original no longer holds its weights (a packed copy took them) are left to the model probe."""
+
+    ROWS = 4
+
+    def __init__(self, model: torch.nn.Module, tolerance: float) -> None:
+        self.model = model
+        self.tolerance = tolerance
+        self._names: dict[int, str] | None = None
+
+    def __call__(self, parent: torch.nn.Module, name: str, original: torch.nn.Module,
+                 replacement: torch.nn.Module) -> None:
+        probe = self._input_for(original)
+        if probe is None:
+            return
+        with torch.no_grad():
+            expected, actual = original(probe), replacement(probe)
+        if not isinstance(expected, torch.Tensor) or not isinstance(actual, torch.Tensor):
+            return
+        error = ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-6))
+        if actual.shape != expected.shape or not bool(error <= self.tolerance):  # NaN fails too
+            raise LayerMismatch(self._qualified(parent, name), float(error.nan_to_num(float("inf"))),
+                                self.tolerance)
+
+    def _input_for(self, module: torch.nn.Module) -> torch.Tensor | None:
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0 or weight.is_meta:
+            return None
+        generator = torch.Generator().manual_seed(0)
+        if isinstance(module, torch.nn.Embedding):
+            ids = torch.randint(0, weight.shape[0], (self.ROWS,), generator=generator)
+            return ids.to(weight.device)
+        if not weight.is_floating_point():
+            return None
+        from transformers.pytorch_utils import Conv1D
+
+        features = weight.shape[0] if isinstance(module, Conv1D) else weight.shape[1]
+        if not isinstance(module, (torch.nn.Linear, Conv1D)):
+            return None
+        return torch.randn(self.ROWS, features, generator=generator).to(weight.device, weight.dtype)
+
+    def _qualified(self, parent: torch.nn.Module, name: str) -> str:
+        if self._names is None:
+            self._names = {id(module): path for path, module in self.model.named_modules()}
+        prefix = self._names.get(id(parent), "")
+        return f"{prefix}.{name}" if prefix else name
 
 
 def compare_tokens(reference: torch.Tensor, actual: torch.Tensor) -> Verification:

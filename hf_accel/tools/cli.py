@@ -1,4 +1,4 @@
-"""The ``hf-accel`` command: doctor, demo, generate."""
+"""The ``hf-accel`` command: doctor, plugins, demo, generate."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import torch
 
 from hf_accel import __version__, available_backends, check_arguments, patch, report
 from hf_accel.patching.errors import PatchError
+from hf_accel.patching.plugin_manager import plugin_problems
 from hf_accel.tools.bench.commands import cmd_bench, cmd_bench_attention, cmd_bench_step, cmd_identity
 from hf_accel.tools.common import CLIError, add_model_arguments, load_from_args
 from hf_accel.tools.models import ModelNotFoundError, load_default_model
+from hf_accel.tools.plugins import cmd_plugins
 from hf_accel.tools.prompts import encode_chat, load_prompts, one_per_category
 from hf_accel.tools.timing import timed_generate
 
@@ -44,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--model", help="a local model directory: also list the settings of its generation config "
                                         "that would make generate calls run without speculation")
     doctor.set_defaults(func=cmd_doctor)
+
+    plugins = sub.add_parser("plugins", help="each loaded plugin: its distribution, backends and hooks; the plugins "
+                                             "skipped because they failed; the environment's filters")
+    plugins.add_argument("--json", action="store_true", help="print it as JSON")
+    plugins.set_defaults(func=cmd_plugins)
 
     demo = sub.add_parser("demo", help="the default model, stock and patched, side by side")
     demo.add_argument("--max-new-tokens", type=int, default=64)
@@ -136,6 +143,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    problems = plugin_problems()
+    if problems:
+        print(f"plugin problems ({len(problems)}; `hf-accel plugins` lists the plugins):")
+        for problem in problems:
+            print(f"  {problem}")
     if args.model:
         _print_speculation_blockers(args.model)
     return 0

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hf_accel.patching.errors import PatchError
 from hf_accel.runtime.cached_lm import CachedLM, can_share
 from hf_accel.runtime.compiled_step import CHECK_TOLERANCE
 from hf_accel.runtime.contracts import Call, DecodeStep
@@ -115,11 +116,17 @@ class SpeculativeRunner:
         return self._compiled[id(model)]
 
     def _fallback(self, call: Call, reason: str) -> Any:
+        stock_raises = reason in (STOCK_RAISES_FOR_STOP_STRINGS, STOCK_RAISES_FOR_SEQUENCES)
+        if call.state.arguments.get("strict") and not stock_raises:
+            raise PatchError(f"speculative decoding does not cover {reason}, and the model was patched with "
+                             "strict=True, so this call is refused instead of running stock generate; drop that "
+                             "setting, or patch with strict=False (docs/features.md lists what is covered)",
+                             feature="speculative")
         self.stats.fallbacks += 1
         reasons = self.details.setdefault("fallback_reasons", {})
         reasons[reason] = reasons.get(reason, 0) + 1
         self.details.update(self.stats.as_details())
-        if reason not in self._logged and reason not in (STOCK_RAISES_FOR_STOP_STRINGS, STOCK_RAISES_FOR_SEQUENCES):
+        if reason not in self._logged and not stock_raises:
             self._logged.add(reason)
             logger.warning("hf_accel: speculative decoding does not cover %s, so this call (and any like it) runs "
                            "stock generate with the patch's cache and compiled step but no speculation; drop that "

@@ -207,8 +207,8 @@ class BenchSession:
 
 def compile_at_once() -> dict[str, Any]:
     """``compile_when="first_use"`` where a registered backend takes that option (none may: a plugin disabled)."""
-    from hf_accel.patching.backends import BackendRegistry
     from hf_accel.patching.plugin_manager import get_plugin_manager
+    from hf_accel.patching.registry import BackendRegistry
 
     known = "compile_when" in BackendRegistry.collect(get_plugin_manager()).option_names()
     return {"compile_when": "first_use"} if known else {}
