@@ -35,7 +35,7 @@ def _compile_cache_of_the_session(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _fresh_plugin_manager(monkeypatch):
     """Each test sees the plugins as installed, unaffected by another test's environment or registrations."""
-    for variable in ("HF_ACCEL_LOAD_PLUGINS", "HF_ACCEL_DISABLE_PLUGINS", "HF_ACCEL_TRACE"):
+    for variable in ("HF_ACCEL_LOAD_PLUGINS", "HF_ACCEL_DISABLE_PLUGINS", "HF_ACCEL_TRACE", "HF_ACCEL_PLUGINS"):
         monkeypatch.delenv(variable, raising=False)
     reset_plugin_manager()
     yield

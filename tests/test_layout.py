@@ -5,6 +5,8 @@ small, and the linter is clean."""
 from __future__ import annotations
 
 import ast
+import importlib
+import itertools
 import shutil
 import subprocess
 import sys
@@ -40,7 +42,7 @@ def imported_modules(path: Path) -> list[str]:
     """Every module a file imports, at any depth (function-level imports included), each name of a ``from``
     import too (it may be a module: ``from hf_accel_plugins import quantize_int4``), relative ones resolved."""
     package = "hf_accel_plugins" if path.is_relative_to(PLUGINS) else ".".join(
-        ("hf_accel", *path.relative_to(LIBRARY).parent.parts))
+        ("hf_accel", *path.relative_to(LIBRARY).parent.parts)) if path.is_relative_to(LIBRARY) else path.parent.name
     modules = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -55,7 +57,8 @@ def imported_modules(path: Path) -> list[str]:
 def entry_point_plugins() -> set[str]:
     """The built-in plugin modules setup.cfg registers in the ``hf_accel`` entry-point group."""
     section = ROOT.joinpath("setup.cfg").read_text().split("\nhf_accel =\n", 1)[1]
-    return {line.split("=")[1].strip() for line in section.splitlines() if line.startswith("    ") and "=" in line}
+    lines = itertools.takewhile(lambda line: line.startswith("    "), section.splitlines())
+    return {line.split("=")[1].strip() for line in lines if "=" in line}
 
 
 def test_plugins_import_hf_accel_only_through_the_plugin_api_and_no_other_plugin():
@@ -70,6 +73,27 @@ def test_plugins_import_hf_accel_only_through_the_plugin_api_and_no_other_plugin
     crossing = {f"{path.name}: {module}" for path in python_files(PLUGINS) for module in imported_modules(path)
                 if module in plugins}
     assert not crossing, f"plugins import each other (shared code goes in a helper module): {sorted(crossing)}"
+
+
+def test_the_plugin_template_imports_hf_accel_only_through_the_plugin_api():
+    template = ROOT / "examples" / "plugin_template"
+    def outside(module: str, allowed: tuple[str, ...]) -> bool:
+        return module.split(".")[0] == "hf_accel" and not any(module == a or module.startswith(a + ".")
+                                                               for a in allowed)
+
+    wrong = {f"{path.name}: {module}" for path in python_files(template / "hf_accel_example")
+             for module in imported_modules(path) if outside(module, ("hf_accel.plugin",))}
+    wrong |= {f"tests/{path.name}: {module}" for path in python_files(template / "tests")
+              for module in imported_modules(path) if outside(module, ("hf_accel.plugin", "hf_accel.testing"))}
+    assert not wrong, f"the template imports hf_accel modules other than hf_accel.plugin: {sorted(wrong)}"
+    assert "hf_accel.plugin" in {m for p in python_files(template / "hf_accel_example") for m in imported_modules(p)}
+
+
+@pytest.mark.parametrize("package", ["hf_accel", "hf_accel.testing"])
+def test_every_name_a_lazy_package_exports_is_there(package):
+    module = importlib.import_module(package)
+    assert set(module.__all__) == set(module._EXPORTS) | ({"__version__"} if package == "hf_accel" else set())
+    assert all(getattr(module, name) is not None for name in module.__all__)
 
 
 def test_every_name_the_plugin_api_exports_is_there():

@@ -337,8 +337,9 @@ def test_trace_logs_each_hook_call_with_its_arguments_and_result(plugins, monkey
     caplog.clear()  # only the user's generate call below, not the patch's verification probes
     out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
     generate = trace_of(caplog)
-    assert generate.startswith("  hf_accel_generate [hook]\n      call:\n        GenerateCall(model=LlamaForCausalLM(")
-    assert "'max_new_tokens': 2, 'do_sample': False})" in generate
+    assert generate.startswith("  hf_accel_generate [hook]\n      call: <GenerateCall LlamaForCausalLM(input_ids="
+                               "tensor[3, 7] int64, attention_mask=tensor[3, 7] int64, max_new_tokens=2, "
+                               "do_sample=False)>\n")
     assert f"  finish hf_accel_generate --> {out} [hook]".splitlines()[0] in generate
     caplog.clear()
     hf_accel.check_arguments(attention="sdpa", plugins=plugins)
@@ -366,3 +367,12 @@ def test_the_trace_variable_alone_writes_the_trace_to_stderr():
     assert ("hf_accel.trace:   hf_accel_register_backends [hook]\n"
             "      register: <register for plugin 'quantize_int8'>\n"
             "hf_accel.trace:   finish hf_accel_register_backends --> [] [hook]\n") in done.stderr
+
+
+def test_the_replaced_allow_list_variable_is_named_with_its_replacement(monkeypatch, caplog):
+    monkeypatch.setenv("HF_ACCEL_PLUGINS", "acme")
+    reset_plugin_manager()
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        assert "attention_transformers" in plugin_names()
+    assert any("HF_ACCEL_PLUGINS is no longer read; use HF_ACCEL_LOAD_PLUGINS" in r.getMessage()
+               for r in caplog.records)

@@ -112,6 +112,11 @@ class PatchContext:
     changes: Changes
     report: FeatureReport
 
+    def __repr__(self) -> str:  # short: HF_ACCEL_TRACE prints it at every selection
+        request = self.request if isinstance(self.request, (str, bool, type(None))) else type(self.request).__name__
+        return (f"<PatchContext {self.feature}={request!r} for {type(self.model).__name__} "
+                f"({self.state.device}, {str(self.state.dtype).removeprefix('torch.')})>")
+
     @property
     def device(self) -> torch.device:
         return self.state.device
@@ -201,7 +206,7 @@ class Backend:
         devices = self.capabilities.devices
         if devices and not any(_device_present(d) for d in devices):
             return f"needs a {' or '.join(devices)} device, none present"
-        reason = self.why_unavailable() if self.why_unavailable else None
+        reason = _asked(self.why_unavailable) if self.why_unavailable else None
         if reason and self.install:
             reason = f"{reason} (install: {self.install})"
         return reason
@@ -227,10 +232,21 @@ class Backend:
         if len(devices) > 1:
             return (f"needs the model on one device; device_map split it across {', '.join(devices)} (load it "
                     "onto one device for this feature)")
-        reason = self.why_unsuitable(context) if self.why_unsuitable else None
+        reason = _asked(self.why_unsuitable, context) if self.why_unsuitable else None
         if reason is None and self.memory_needed is not None:
-            reason = shortfall(context.device, self.memory_needed(context))
+            needed = _asked(self.memory_needed, context)
+            reason = needed if isinstance(needed, str) else shortfall(context.device, needed)
         return reason
+
+
+def _asked(check: Callable[..., Any], *args: Any) -> Any:
+    """A backend's own check, called; one that raises answers with why instead (a broken plugin's backend is
+    then skipped with that reason, not the whole patch)."""
+    try:
+        return check(*args)
+    except Exception as exc:
+        name = getattr(check, "__name__", "a check")
+        return f"its check {name} raised {type(exc).__name__}: {exc}"
 
 
 def partial_weights(model: torch.nn.Module) -> str | None:

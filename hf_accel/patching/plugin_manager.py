@@ -30,6 +30,8 @@ CORE_PLUGIN = "hf_accel.core"
 LOAD_VARIABLE = "HF_ACCEL_LOAD_PLUGINS"
 DISABLE_VARIABLE = "HF_ACCEL_DISABLE_PLUGINS"
 TRACE_VARIABLE = "HF_ACCEL_TRACE"
+#: What HF_ACCEL_LOAD_PLUGINS replaced (it filtered built-ins too, which could leave a feature with no backend).
+REPLACED_VARIABLE = "HF_ACCEL_PLUGINS"
 #: The distribution whose entry points are the built-in plugins, normalized as in ``_normalized``.
 OWN_DISTRIBUTION = "hf-accel"
 
@@ -89,6 +91,10 @@ class PluginFilters:
 
     @classmethod
     def from_environment(cls) -> PluginFilters:
+        if REPLACED_VARIABLE in os.environ:
+            logger.warning("hf_accel: %s is no longer read; use %s=name1,name2 to load only these third-party "
+                           "plugins (built-ins always load), or %s to leave plugins out", REPLACED_VARIABLE,
+                           LOAD_VARIABLE, DISABLE_VARIABLE)
         load = _names_from_env(LOAD_VARIABLE)
         trace = os.environ.get(TRACE_VARIABLE, "").strip().lower() not in ("", "0", "false", "no", "off")
         return cls(load, _names_from_env(DISABLE_VARIABLE) or frozenset(), trace)

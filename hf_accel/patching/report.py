@@ -26,7 +26,9 @@ class Verification:
         if not self.passed and self.error is None:
             return f"FAILED: {self.detail}"
         if self.probe == "generate":
-            return f"{'ok' if self.passed else 'FAILED'}: greedy tokens {'identical' if self.passed else 'differ'}"
+            if self.passed:
+                return "ok: greedy tokens identical"
+            return f"FAILED: greedy tokens differ{' from ' + self.where if self.where else ''}"
         what = "output error" if self.probe == "layer" else "logit error"
         where = f" at {self.where}" if self.where and not self.passed else ""
         parts = [f"{'ok' if self.passed else 'FAILED'}: {what} {self.error:.1e}{where} (bound {self.tolerance:.0e})"]

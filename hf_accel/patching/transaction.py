@@ -154,6 +154,7 @@ class Transaction:
                 f"plugin {backend.plugin!r} failed in the {backend.feature} phase (backend {backend.name!r}): "
                 f"{type(exc).__name__}: {exc}. The model was left unchanged.",
                 feature=backend.feature, backend=backend.name, plugin=backend.plugin) from exc
+        context.changes.check_replacement = None  # swaps made later (at commit, before a call) are not checked
         if probe is None:
             return None
         try:

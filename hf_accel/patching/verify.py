@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -11,6 +12,8 @@ from hf_accel.patching.report import Verification
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
 
 #: Relative logit error allowed for a lossless backend, by parameter dtype.
 LOSSLESS_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
@@ -82,10 +85,13 @@ def _pad_token_id(model: PreTrainedModel) -> int:
 
 
 def forward_logits(model: PreTrainedModel, probe: ProbeInputs) -> torch.Tensor:
-    """fp32 logits of the probe's non-padded positions, shape ``[n_real_tokens, vocab]``."""
+    """fp32 logits of the probe's non-padded positions, shape ``[n_real_tokens, vocab]``: the padded batch's, then
+    those of its first (unpadded) row run alone, which transformers may send to attention without a mask (the
+    kernel's own causal rule then applies)."""
     with torch.no_grad(), _eval_mode(model):
-        out = model(input_ids=probe.input_ids, attention_mask=probe.attention_mask, use_cache=False)
-    return out.logits[probe.attention_mask.bool()].float()
+        batch = model(input_ids=probe.input_ids, attention_mask=probe.attention_mask, use_cache=False)
+        alone = model(input_ids=probe.input_ids[:1], attention_mask=probe.attention_mask[:1], use_cache=False)
+    return torch.cat([batch.logits[probe.attention_mask.bool()], alone.logits[0]]).float()
 
 
 def greedy_tokens(generate: Callable[..., torch.Tensor], probe: ProbeInputs) -> torch.Tensor:
@@ -116,7 +122,11 @@ def compare_logits(reference: torch.Tensor, actual: torch.Tensor, tolerance: flo
 
 
 def _probe_position(probe: ProbeInputs, token: int) -> str:
-    """The probe's ``token``-th real token (counting the batch's real tokens in order) in words."""
+    """The probe's ``token``-th real token (in :func:`forward_logits`' order) in words."""
+    in_batch = int(probe.attention_mask.sum())
+    if token >= in_batch:
+        first = " (its first token)" if token == in_batch else ""
+        return f"token {token - in_batch}{first} of the forward probe's unpadded row run alone"
     row, column = probe.attention_mask.nonzero()[token].tolist()
     padding = int((probe.attention_mask[row, :column] == 0).sum())
     first = " (its first token)" if column == padding else ""
@@ -126,11 +136,13 @@ def _probe_position(probe: ProbeInputs, token: int) -> str:
 class LayerMismatch(Exception):
     """A replacement module's output differs from the module it replaces beyond the bound."""
 
-    def __init__(self, layer: str, error: float, tolerance: float) -> None:
-        super().__init__(f"layer {layer}: output error {error:.1e} (bound {tolerance:.0e})")
-        self.layer, self.error, self.tolerance = layer, error, tolerance
+    def __init__(self, layer: str, error: float, tolerance: float, detail: str = "") -> None:
+        super().__init__(f"layer {layer}: " + (detail or f"output error {error:.1e} (bound {tolerance:.0e})"))
+        self.layer, self.error, self.tolerance, self.detail = layer, error, tolerance, detail
 
     def verification(self) -> Verification:
+        if self.detail:
+            return Verification(probe="layer", passed=False, detail=str(self))
         return Verification(probe="layer", passed=False, error=self.error, tolerance=self.tolerance,
                             where=f"layer {self.layer}")
 
@@ -153,12 +165,20 @@ class LayerCheck:
         probe = self._input_for(original)
         if probe is None:
             return
-        with torch.no_grad():
-            expected, actual = original(probe), replacement(probe)
+        try:
+            with torch.no_grad():
+                expected, actual = original(probe), replacement(probe)
+        except Exception as exc:  # a module that takes other inputs than these rows: the model probe checks it
+            logger.debug("hf_accel: %s not checked on its own (%s: %s)", self._qualified(parent, name),
+                         type(exc).__name__, exc)
+            return
         if not isinstance(expected, torch.Tensor) or not isinstance(actual, torch.Tensor):
             return
+        if actual.shape != expected.shape:
+            raise LayerMismatch(self._qualified(parent, name), float("inf"), self.tolerance,
+                                f"output shape {tuple(actual.shape)} instead of {tuple(expected.shape)}")
         error = ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-6))
-        if actual.shape != expected.shape or not bool(error <= self.tolerance):  # NaN fails too
+        if not bool(error <= self.tolerance):  # NaN fails too
             raise LayerMismatch(self._qualified(parent, name), float(error.nan_to_num(float("inf"))),
                                 self.tolerance)
 
@@ -187,9 +207,18 @@ class LayerCheck:
 
 
 def compare_tokens(reference: torch.Tensor, actual: torch.Tensor) -> Verification:
-    passed = reference.shape == actual.shape and bool((reference == actual).all())
-    detail = "" if passed else f"expected {reference.tolist()}, got {actual.tolist()}"
-    return Verification(probe="generate", passed=passed, detail=detail)
+    """Greedy tokens of the generate probe against the model's before; a mismatch says where it starts."""
+    if reference.shape != actual.shape:
+        return Verification(probe="generate", passed=False,
+                            detail=f"output shape {tuple(actual.shape)} instead of {tuple(reference.shape)}")
+    differ = (reference != actual).nonzero()
+    if not len(differ):
+        return Verification(probe="generate", passed=True)
+    row, column = differ[0].tolist()
+    new = column - (reference.shape[1] - _PROBE_NEW_TOKENS)
+    return Verification(probe="generate", passed=False, where=f"row {row}, new token {new} of the generate probe",
+                        detail=f"(new tokens expected {reference[row, column - new:].tolist()}, generated "
+                               f"{actual[row, column - new:].tolist()})")
 
 
 class _eval_mode:

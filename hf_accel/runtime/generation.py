@@ -40,6 +40,10 @@ class GenerateCall:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
+    def __repr__(self) -> str:  # short: HF_ACCEL_TRACE prints it at every call
+        arguments = [_brief(a) for a in self.args] + [f"{k}={_brief(v)}" for k, v in self.kwargs.items()]
+        return f"<GenerateCall {type(self.model).__name__}({', '.join(arguments)})>"
+
     def run_stock(self, **overrides: Any) -> Any:
         """The model's original ``generate`` with the user's arguments (and ``overrides``), running over the
         patch's compiled decode step or KV cache where the call is one they serve."""
@@ -162,3 +166,13 @@ def make_patched_generate(model: PreTrainedModel, original: Callable[..., Any]) 
 def run_generate(state: PatchState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     call = GenerateCall(model=state.model, state=state, args=args, kwargs=kwargs)
     return state.pm.hook.hf_accel_generate(call=call)
+
+
+def _brief(value: Any) -> str:
+    """A value in a few words: a tensor by its shape and dtype, a module by its class."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, torch.nn.Module):
+        return f"<{type(value).__name__}>"
+    text = repr(value)
+    return text if len(text) <= 80 else f"<{type(value).__name__}>"

@@ -1,30 +1,10 @@
-"""What ``pytest --hf-accel-backend NAME`` collects: every feature's conformance class, each parametrized with
-the named backends of its feature (see :mod:`hf_accel.testing.pytest_plugin`)."""
+"""What ``pytest --hf-accel-backend NAME`` collects: the conformance class of each named backend's feature,
+parametrized with the backends named for it (see :mod:`hf_accel.testing.pytest_plugin`)."""
 
-from hf_accel.testing.suite import (
-    AttentionConformance,
-    CompileConformance,
-    KVCacheConformance,
-    QuantizeConformance,
-    SpeculativeConformance,
-)
+from hf_accel.testing.pytest_plugin import requested_backends
+from hf_accel.testing.suite import CONFORMANCE
 
-
-class TestAttention(AttentionConformance):
-    pass
-
-
-class TestKVCache(KVCacheConformance):
-    pass
-
-
-class TestCompile(CompileConformance):
-    pass
-
-
-class TestSpeculative(SpeculativeConformance):
-    pass
-
-
-class TestQuantize(QuantizeConformance):
-    pass
+for _feature, _names in requested_backends().items():
+    _base = CONFORMANCE[_feature]
+    _name = "Test" + _base.__name__.removesuffix("Conformance")
+    globals()[_name] = type(_name, (_base,), {"__module__": __name__, "backends_from_option": tuple(_names)})

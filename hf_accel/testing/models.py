@@ -29,6 +29,7 @@ _SHARED = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidd
 PROMPTS: dict[str, tuple[int, ...]] = {
     "batch3-left-padded": (7, 3, 5),
     "length1": (1,),
+    "batch2-unpadded": (9, 9),  # no padding: transformers may pass no mask, and the kernel's causal rule applies
     "long-left-padded": (200, 40, 120),
 }
 

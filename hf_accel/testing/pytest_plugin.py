@@ -1,6 +1,6 @@
 """The pytest plugin (entry point ``pytest11``): ``pytest --hf-accel-backend NAME`` runs the conformance suite
-of NAME's feature against it, for any installed backend. Loaded in every pytest run where hf_accel is
-installed, so it imports nothing heavy until the option is used."""
+of NAME's feature against it, for any installed backend. pytest loads it in every run where hf_accel is
+installed, so it imports only pytest until the option is used."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-#: The module collected when the option is given: one class per feature, parametrized by the names given.
+#: The module collected when the option is given (see :func:`requested_features`).
 SUITE_MODULE = Path(__file__).with_name("collected_suite.py")
+#: The features of the backends named on the command line, set once the option has been read.
+_requested: dict[str, list[str]] = {}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -31,22 +33,13 @@ def pytest_configure(config: pytest.Config) -> None:
         known = ", ".join(sorted(b.name for b in registry))
         raise pytest.UsageError(f"--hf-accel-backend {', '.join(unknown)}: no backend of that name is registered "
                                 f"(installed: {known}); install its plugin (`hf-accel plugins` lists what is loaded)")
+    _requested.clear()
+    for name in names:
+        _requested.setdefault(registry.get(name).feature, []).append(name)
     if str(SUITE_MODULE) not in config.args:
         config.args.append(str(SUITE_MODULE))
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Drop the suite's tests for features no named backend serves (pytest made each one item that would skip
-    for its empty parameter set)."""
-    if not config.getoption("hf_accel_backend"):
-        return
-    empty = [item for item in items if item.path.samefile(SUITE_MODULE) and _unparametrized(item)]
-    if empty:
-        config.hook.pytest_deselected(items=empty)
-        dropped = set(empty)
-        items[:] = [item for item in items if item not in dropped]
-
-
-def _unparametrized(item: pytest.Item) -> bool:
-    skip = item.get_closest_marker("skip")
-    return skip is not None and str(skip.kwargs.get("reason", "")).startswith("got empty parameter set")
+def requested_backends() -> dict[str, list[str]]:
+    """The backends named with ``--hf-accel-backend``, by feature."""
+    return {feature: list(names) for feature, names in _requested.items()}

@@ -10,12 +10,13 @@ Example (a plugin's tests/test_conformance.py)::
 or, with nothing written: ``pytest --hf-accel-backend my_attention``. Each class parametrizes itself
 (``pytest_generate_tests``) over the tiny architectures the backend declares it serves (its
 :class:`~hf_accel.plugin.Capabilities`), the prompt shapes of :data:`~hf_accel.testing.models.PROMPTS`
-and, for attention, the dtypes it declares; an architecture it does not declare must be refused.
+and, for attention, the dtypes it declares; an architecture it does not declare must be refused. Models run on
+the backend's first declared device and in fp32 (or its first declared dtype); set ``device``/``dtype`` to
+choose.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any, ClassVar, Iterator
 
 import pytest
@@ -30,12 +31,15 @@ from hf_accel.patching.registry import BackendRegistry
 from hf_accel.patching.verify import LOSSLESS_TOLERANCE, LayerCheck, LayerMismatch
 from hf_accel.testing.checks import (
     assert_same_tokens,
-    chi_square_p_value,
-    exact_continuations,
+    draft_model_for,
+    exact_joint,
+    greedy,
     logits_of,
     relative_error,
     replaced_modules,
+    sampling_failures,
     sampling_model,
+    tolerance_of,
 )
 from hf_accel.testing.models import PROMPTS, TINY_ARCHITECTURES, left_padded_batch, make_tiny_model, tiny_config
 
@@ -43,24 +47,31 @@ from hf_accel.testing.models import PROMPTS, TINY_ARCHITECTURES, left_padded_bat
 DRAFT_MODEL_OPTION = "draft_model"
 #: The option that asks a backend to keep what it replaces, so that ``unpatch`` can put it back.
 KEEP_ORIGINAL_OPTION = "keep_original"
+#: The reference attention the attention class compares with: transformers' own.
+REFERENCE_ATTENTION = "eager"
 
 
 class BackendConformance:
     """Tests every backend passes, whatever its feature. Subclass a feature's class and set ``backend``."""
 
-    #: The name of the backend under test (None: the names given with ``--hf-accel-backend``).
+    #: The name of the backend under test (``pytest --hf-accel-backend NAME`` sets ``backends_from_option``).
     backend: ClassVar[str | None] = None
+    backends_from_option: ClassVar[tuple[str, ...]] = ()
     feature: ClassVar[str] = ""
     #: The tiny architectures to try (see :data:`~hf_accel.testing.models.TINY_ARCHITECTURES`).
     architectures: ClassVar[tuple[str, ...]] = tuple(TINY_ARCHITECTURES)
     prompts: ClassVar[dict[str, tuple[int, ...]]] = PROMPTS
+    #: Where and in what dtype the models run (None: the backend's first declared device, else the CPU; fp32
+    #: unless the backend declares dtypes without it, then the first it declares).
+    device: ClassVar[str | None] = None
+    dtype: ClassVar[torch.dtype | None] = None
     #: Other ``patch`` arguments for every patch the suite makes (backend options, other features).
     patch_options: ClassVar[dict[str, Any]] = {}
     new_tokens: ClassVar[int] = 8
 
     # -- parametrization ----------------------------------------------------------------------------------
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        names = [self.backend] if self.backend else _names_from_option(metafunc.config, self.feature)
+        names = [self.backend] if self.backend else list(self.backends_from_option) or [None]
         wanted = [arg for arg in ("backend_name", "arch", "prompt", "dtype") if arg in metafunc.fixturenames]
         cases, ids = [], []
         for name in names:
@@ -69,8 +80,8 @@ class BackendConformance:
                 ids.append("-".join(str(case[arg]).removeprefix("torch.") for arg in wanted))
         metafunc.parametrize(wanted, cases, ids=ids)
 
-    def _cases(self, name: str, test: str, wanted: list[str]) -> Iterator[dict[str, Any]]:
-        backend = registered_backend(name, required=False)
+    def _cases(self, name: str | None, test: str, wanted: list[str]) -> Iterator[dict[str, Any]]:
+        backend = registered_backend(name, required=False) if name else None
         declared = [a for a in self.architectures if backend is None or not unserved_needs(backend, a)]
         if test == "test_refuses_models_it_does_not_declare":
             archs = [a for a in self.architectures if backend is not None and unserved_needs(backend, a)]
@@ -85,22 +96,38 @@ class BackendConformance:
                     yield {"backend_name": name, "arch": arch, "prompt": prompt, "dtype": dtype}
 
     def dtypes(self, backend: Backend | None) -> list[torch.dtype]:
-        """The dtypes to try: those the backend declares (fp32 and bf16 when it declares none)."""
+        """The dtypes the attention class tries: those the backend declares (fp32 and bf16 when it declares
+        none)."""
         declared = backend.capabilities.dtypes if backend is not None else ()
         return [d for d in (torch.float32, torch.bfloat16, torch.float16) if d in declared] if declared else \
             [torch.float32, torch.bfloat16]
 
     # -- fixtures -----------------------------------------------------------------------------------------
     @pytest.fixture
-    def backend_under_test(self, backend_name: str) -> Backend:
+    def backend_under_test(self, backend_name: str | None) -> Backend:
         """The registered backend, skipping the test (with its reason) where it cannot run on this machine."""
-        backend = registered_backend(backend_name)
+        backend = registered_backend(backend_name, owner=type(self).__name__)
         problem = backend.machine_problem()
         if problem:
             pytest.skip(f"backend {backend_name!r} cannot run here: {problem}")
         return backend
 
-    # -- patching the way the suite does ------------------------------------------------------------------
+    # -- models and patches the way the suite makes them ----------------------------------------------------
+    def model(self, backend: Backend, arch: str, dtype: torch.dtype | None = None, seed: int = 0) -> Any:
+        """The tiny ``arch`` on the device and in the dtype the suite runs ``backend`` with."""
+        return make_tiny_model(arch, seed=seed, dtype=dtype or self.dtype_for(backend)).to(self.device_for(backend))
+
+    def batch(self, model: Any, lengths: tuple[int, ...], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = left_padded_batch(model, lengths, seed=seed)
+        return ids.to(model.device), mask.to(model.device)
+
+    def device_for(self, backend: Backend) -> str:
+        return self.device or next(iter(backend.capabilities.devices), "cpu")
+
+    def dtype_for(self, backend: Backend) -> torch.dtype:
+        declared = backend.capabilities.dtypes
+        return self.dtype or (declared[0] if declared and torch.float32 not in declared else torch.float32)
+
     def patch(self, model: torch.nn.Module, backend: Backend, verify: bool = False,
               **arguments: Any) -> torch.nn.Module:
         """``hf_accel.patch`` with ``backend`` forced for its feature and every other feature off, unless
@@ -122,28 +149,28 @@ class BackendConformance:
         return {}
 
     # -- every backend ------------------------------------------------------------------------------------
-    def test_is_registered_for_this_feature(self, backend_name: str) -> None:
-        backend = registered_backend(backend_name)
+    def test_is_registered_for_this_feature(self, backend_name: str | None) -> None:
+        backend = registered_backend(backend_name, owner=type(self).__name__)
         assert backend.feature == self.feature, (
             f"backend {backend_name!r} serves {backend.feature!r}; run it with the {backend.feature} conformance class")
         assert backend.lossless or backend.probe is None or backend.tolerance is not None, (
             f"backend {backend_name!r} is lossy (lossless=False) and verified by a probe but declares no tolerance: "
             "say how far its logits may move (Backend(tolerance=...)) so verification can hold it to that")
 
-    def test_availability_check_gives_a_reason(self, backend_name: str) -> None:
-        backend = registered_backend(backend_name)
+    def test_availability_check_gives_a_reason(self, backend_name: str | None) -> None:
+        backend = registered_backend(backend_name, owner=type(self).__name__)
         problem = backend.machine_problem()
         if problem is None:
             return
         assert isinstance(problem, str) and problem.strip() and "Traceback" not in problem, (
             f"why_unavailable of {backend_name!r} should say in words why it cannot run, got {problem!r}")
-        model = make_tiny_model("llama")
-        with pytest.raises(BackendUnavailableError, match="cannot run here"):
-            hf_accel.patch(model, **{backend.feature: backend.name})
+        with pytest.raises(BackendUnavailableError) as refused:
+            hf_accel.patch(make_tiny_model("llama"), **{backend.feature: backend.name})
+        assert problem in str(refused.value), f"forcing {backend_name!r} did not give its reason: {refused.value}"
         pytest.skip(f"backend {backend_name!r} cannot run here: {problem}")
 
     def test_passes_patch_time_validation(self, backend_under_test: Backend, arch: str) -> None:
-        model = make_tiny_model(arch)
+        model = self.model(backend_under_test, arch)
         try:
             self.patch(model, backend_under_test, verify=True)
         except VerificationError as refusal:
@@ -154,14 +181,14 @@ class BackendConformance:
     def test_refuses_models_it_does_not_declare(self, backend_under_test: Backend, arch: str | None) -> None:
         if arch is None:
             pytest.skip(f"{backend_under_test.name!r} declares everything the tiny models need")
-        model = make_tiny_model(arch)
+        model = self.model(backend_under_test, arch)
         with pytest.raises(BackendUnavailableError, match="does not support"):
             self.patch(model, backend_under_test)
         assert hf_accel.report(model)[backend_under_test.feature].backend is None
 
     def test_unpatch_restores_the_model(self, backend_under_test: Backend, arch: str) -> None:
-        model = make_tiny_model(arch)
-        ids, mask = left_padded_batch(model)
+        model = self.model(backend_under_test, arch)
+        ids, mask = self.batch(model, (7, 3, 5))
         state = {k: v.clone() for k, v in model.state_dict().items()}
         before = logits_of(model, ids, mask)
         # A backend that frees what it replaced (quantized weights) keeps it when asked to, so it can unpatch.
@@ -176,12 +203,12 @@ class BackendConformance:
 
 
 class _GreedyIdentity:
-    """Greedy output identical to the unpatched model's, over every prompt shape, then another batch size."""
+    """Greedy output identical to the unpatched model's, over every prompt shape, then other batch sizes."""
 
     def test_greedy_matches_stock(self, backend_under_test: Backend, arch: str, prompt: str) -> None:
         skip_if_lossy(backend_under_test)
-        model = make_tiny_model(arch)
-        ids, mask = left_padded_batch(model, self.prompts[prompt])
+        model = self.model(backend_under_test, arch)
+        ids, mask = self.batch(model, self.prompts[prompt])
         expected = greedy(model, ids, mask, self.new_tokens)
         self.patch(model, backend_under_test)
         assert_same_tokens(greedy(model, ids, mask, self.new_tokens), expected, ids.shape[1],
@@ -189,8 +216,8 @@ class _GreedyIdentity:
 
     def test_calls_of_other_batch_sizes_in_turn(self, backend_under_test: Backend, arch: str) -> None:
         skip_if_lossy(backend_under_test)
-        model = make_tiny_model(arch)
-        batches = [left_padded_batch(model, lengths, seed=i) for i, lengths in enumerate([(5, 9), (4,), (6, 2, 8)])]
+        model = self.model(backend_under_test, arch)
+        batches = [self.batch(model, lengths, seed=i) for i, lengths in enumerate([(5, 9), (4,), (6, 2, 8)])]
         expected = [greedy(model, ids, mask, self.new_tokens) for ids, mask in batches]
         self.patch(model, backend_under_test)
         for (ids, mask), stock in zip(batches + batches[:1], expected + expected[:1]):
@@ -205,9 +232,9 @@ class AttentionConformance(BackendConformance):
     feature = "attention"
 
     def test_logits_match_eager(self, backend_under_test: Backend, arch: str, prompt: str, dtype: torch.dtype) -> None:
-        model, reference = make_tiny_model(arch, dtype=dtype), make_tiny_model(arch, dtype=dtype)
-        reference.set_attn_implementation("eager")
-        ids, mask = left_padded_batch(model, self.prompts[prompt])
+        model, reference = self.model(backend_under_test, arch, dtype), self.model(backend_under_test, arch, dtype)
+        reference.set_attn_implementation(REFERENCE_ATTENTION)
+        ids, mask = self.batch(model, self.prompts[prompt])
         expected = logits_of(reference, ids, mask)
         self.patch(model, backend_under_test)
         actual = logits_of(model, ids, mask)
@@ -217,9 +244,9 @@ class AttentionConformance(BackendConformance):
                                 f"attention by {error:.2e} relative (bound {bound:.0e}), most at {where}")
 
     def test_greedy_matches_eager(self, backend_under_test: Backend, arch: str, prompt: str) -> None:
-        model, reference = make_tiny_model(arch), make_tiny_model(arch)
-        reference.set_attn_implementation("eager")
-        ids, mask = left_padded_batch(model, self.prompts[prompt])
+        model, reference = self.model(backend_under_test, arch), self.model(backend_under_test, arch)
+        reference.set_attn_implementation(REFERENCE_ATTENTION)
+        ids, mask = self.batch(model, self.prompts[prompt])
         expected = greedy(reference, ids, mask, self.new_tokens)
         self.patch(model, backend_under_test)
         assert_same_tokens(greedy(model, ids, mask, self.new_tokens), expected, ids.shape[1],
@@ -243,57 +270,54 @@ class CompileConformance(_GreedyIdentity, BackendConformance):
 
 
 class SpeculativeConformance(_GreedyIdentity, BackendConformance):
-    """A speculative backend (its drafter in the core's loop): stock's greedy tokens, drafts accepted, and
-    samples that follow the target's own distribution at every position."""
+    """A speculative backend (its drafter in the core's loop): stock's greedy tokens, and samples that follow
+    the target's own distribution at every position."""
 
     feature = "speculative"
-    #: Sampled rows per prompt in the distribution test, and the significance level it fails at.
+    #: Sampled rows per prompt in the distribution test, how many tokens each, and the significance level the
+    #: test fails at (shared by its tests: the joint of the first tokens and each position's own distribution).
     sampled_rows: ClassVar[int] = 2000
+    sampled_tokens: ClassVar[int] = 6
     significance: ClassVar[float] = 1e-3
 
-    def test_greedy_matches_stock(self, backend_under_test: Backend, arch: str, prompt: str) -> None:
-        super().test_greedy_matches_stock(backend_under_test, arch, prompt)
-
     def test_sampling_follows_the_target_distribution(self, backend_under_test: Backend) -> None:
-        """Two prompts (one left-padded), a 4-token vocabulary, 3 new tokens: each prompt's 64 outcomes over
-        ``sampled_rows`` rows against the target's exact distribution, by a chi-square test."""
-        vocab, new = 4, 3
-        model = sampling_model(vocab)
+        """Two prompts (one left-padded), a 4-token vocabulary: ``sampled_rows`` rows of ``sampled_tokens``
+        tokens each, against the target's exact distribution by chi-square tests: the joint distribution of
+        the first three tokens, and the distribution at each position (so every draft position a drafter of
+        up to ``sampled_tokens - 1`` tokens proposes is covered)."""
+        device = self.device_for(backend_under_test)
+        model = sampling_model(4).to(device, self.dtype_for(backend_under_test))
         prompts = [torch.tensor([[1, 3, 2, 3]]), torch.tensor([[0, 0, 2, 1]])]
         masks = [torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0, 0, 1, 1]])]
-        exact = [exact_continuations(model, p, m, vocab, new) for p, m in zip(prompts, masks)]
+        exact = [exact_joint(model, p.to(device), m.to(device), self.sampled_tokens) for p, m in zip(prompts, masks)]
         self.patch(model, backend_under_test)
         rows = self.sampled_rows
-        ids = torch.cat([p.expand(rows, -1) for p in prompts])
-        mask = torch.cat([m.expand(rows, -1) for m in masks])
+        ids = torch.cat([p.expand(rows, -1) for p in prompts]).to(device)
+        mask = torch.cat([m.expand(rows, -1) for m in masks]).to(device)
         torch.manual_seed(1)
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=new,
-                                 pad_token_id=0)[:, ids.shape[1]:]
+            out = model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=self.sampled_tokens,
+                                 pad_token_id=0)[:, ids.shape[1]:].cpu()
         details = hf_accel.report(model)["speculative"].details
         assert details.get("fallbacks_to_stock", 0) == 0 and details.get("drafted", 0) > 0, (
             f"{backend_under_test.name} did not speculate on the sampled call: {details}")
-        index = sum(out[:, j] * vocab ** (new - 1 - j) for j in range(new))
-        for i, expected in enumerate(exact):
-            observed = torch.bincount(index[i * rows:(i + 1) * rows], minlength=vocab ** new).double()
-            p_value = chi_square_p_value(observed, expected * rows)
-            worst = int(((observed - expected * rows).abs()).argmax())
-            assert p_value > self.significance, (
-                f"{backend_under_test.name}: sampled continuations of prompt {i} do not follow the target's "
-                f"distribution (chi-square p = {p_value:.1e}); continuation {worst} came {int(observed[worst])} "
-                f"times where {float(expected[worst] * rows):.0f} were expected. A drafter must return the "
-                "probabilities it sampled its tokens from (Draft.probs), or None for a token it chose outright")
+        failures = [f"prompt {i}: {failure}" for i, joint in enumerate(exact)
+                    for failure in sampling_failures(out[i * rows:(i + 1) * rows], joint, self.significance)]
+        assert not failures, (
+            f"{backend_under_test.name}: sampled tokens do not follow the target's distribution ("
+            + "; ".join(failures) + "). A drafter must return the probabilities it sampled its tokens from "
+            "(Draft.probs), or None for tokens it chose outright")
 
 
 class QuantizeConformance(BackendConformance):
     """A quantization backend: logits within its declared tolerance, every layer it replaced within it too,
-    checkpoints that keep the original keys, and patch-time validation passed."""
+    checkpoints that keep the original keys, and a generate that follows its own logits."""
 
     feature = "quantize"
 
     def test_logits_within_the_declared_tolerance(self, backend_under_test: Backend, arch: str) -> None:
-        model, reference = make_tiny_model(arch), make_tiny_model(arch)
-        ids, mask = left_padded_batch(model)
+        model, reference = self.model(backend_under_test, arch), self.model(backend_under_test, arch)
+        ids, mask = self.batch(model, (7, 3, 5))
         self.patch(model, backend_under_test)
         error, where = relative_error(logits_of(reference, ids, mask), logits_of(model, ids, mask), mask)
         bound = tolerance_of(backend_under_test, model)
@@ -301,7 +325,7 @@ class QuantizeConformance(BackendConformance):
                                 f"than the backend's declared tolerance {bound:.0e}, most at {where}")
 
     def test_each_replaced_layer_stays_within_the_tolerance(self, backend_under_test: Backend, arch: str) -> None:
-        model, reference = make_tiny_model(arch), make_tiny_model(arch)
+        model, reference = self.model(backend_under_test, arch), self.model(backend_under_test, arch)
         before = dict(model.named_modules())
         self.patch(model, backend_under_test)
         replaced = replaced_modules(before, model, reference)
@@ -317,7 +341,7 @@ class QuantizeConformance(BackendConformance):
         assert not mismatches, f"{backend_under_test.name} on {arch}: {'; '.join(mismatches)}"
 
     def test_state_dict_keeps_the_original_keys(self, backend_under_test: Backend, arch: str) -> None:
-        model = make_tiny_model(arch)
+        model = self.model(backend_under_test, arch)
         keys = set(model.state_dict())
         self.patch(model, backend_under_test)
         saved = model.state_dict()
@@ -325,12 +349,20 @@ class QuantizeConformance(BackendConformance):
                                     f"(missing {sorted(keys - set(saved))[:4]}, new {sorted(set(saved) - keys)[:4]}): "
                                     "stock from_pretrained would load it as random weights")
 
-    def test_generates_after_patching(self, backend_under_test: Backend, arch: str) -> None:
-        model = make_tiny_model(arch)
-        ids, mask = left_padded_batch(model)
+    def test_greedy_follows_its_own_logits(self, backend_under_test: Backend, arch: str) -> None:
+        model = self.model(backend_under_test, arch)
+        ids, mask = self.batch(model, (7, 3, 5))
         self.patch(model, backend_under_test)
         out = greedy(model, ids, mask, self.new_tokens)
         assert out.shape == (ids.shape[0], ids.shape[1] + self.new_tokens) and torch.equal(out[:, :ids.shape[1]], ids)
+        full_mask = torch.cat([mask, torch.ones_like(out[:, ids.shape[1]:])], dim=1)
+        following = logits_of(model, out, full_mask)[:, ids.shape[1] - 1:-1].argmax(-1)
+        made = out[:, ids.shape[1]:]
+        eos = model.generation_config.eos_token_id
+        is_eos = torch.isin(made, torch.tensor([] if eos is None else eos, device=made.device).long().reshape(-1))
+        ended = is_eos.long().cumsum(-1) - is_eos.long() > 0  # after a row's first EOS: padding
+        assert_same_tokens(made.masked_fill(ended, -1), following.masked_fill(ended, -1), 0,
+                           f"{backend_under_test.name} on {arch}", "the argmax of its own forward")
 
 
 #: The conformance class of each feature.
@@ -340,8 +372,11 @@ CONFORMANCE: dict[str, type[BackendConformance]] = {
 }
 
 
-def registered_backend(name: str, required: bool = True) -> Backend | None:
+def registered_backend(name: str | None, required: bool = True, owner: str = "") -> Backend | None:
     """The backend registered under ``name`` (by the installed plugins); a readable failure if none is."""
+    if name is None:
+        pytest.fail(f"{owner or 'this conformance class'} names no backend: set backend = '<its name>' on the class, "
+                    "or run pytest --hf-accel-backend <its name>", False)
     registry = BackendRegistry.collect(get_plugin_manager())
     backend = registry.get(name)
     if backend is None and required:
@@ -360,25 +395,3 @@ def unserved_needs(backend: Backend, arch: str) -> list[str]:
 def skip_if_lossy(backend: Backend) -> None:
     if not backend.lossless:
         pytest.skip(f"{backend.name!r} declares itself lossy (lossless=False): its tokens may differ from stock's")
-
-
-def tolerance_of(backend: Backend, model: torch.nn.Module) -> float:
-    return backend.tolerance if backend.tolerance is not None else LOSSLESS_TOLERANCE.get(model.dtype, 3e-2)
-
-
-def draft_model_for(model: torch.nn.Module) -> torch.nn.Module:
-    """A model of the same configuration with other weights: a draft that agrees with the target sometimes."""
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        return type(model)(copy.deepcopy(model.config)).to(model.dtype).eval()
-
-
-def greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
-
-
-def _names_from_option(config: pytest.Config, feature: str) -> list[str]:
-    """The ``--hf-accel-backend`` names registered for ``feature`` (the pytest plugin refuses unknown names)."""
-    names = config.getoption("hf_accel_backend", default=None) or []
-    return [name for name in names if getattr(registered_backend(name, required=False), "feature", None) == feature]

@@ -129,10 +129,13 @@ def test_mask_is_built_where_leaving_it_out_would_misalign_the_causal_rule():
     assert build_mask(batch_size=1, q_length=8, kv_length=8) is None  # square: both alignments agree
 
 
-def test_mask_longer_than_the_keys_is_cut_to_them():
+def test_columns_of_a_mask_past_the_keys_are_ignored():
+    """Static caches hand a mask as long as the cache; only the first kv_len columns are the keys'."""
     query, key, value = random_qkv(3, 20, seed=7)
-    allowed = torch.ones(BATCH, 1, 3, 32, dtype=torch.bool)
-    torch.testing.assert_close(run(query, key, value, allowed), reference(query, key, value).float(),
+    allowed = causal_allowed(3, 20)
+    beyond = torch.rand(BATCH, 1, 3, 12, generator=torch.Generator().manual_seed(0)) > 0.5
+    longer = torch.cat([allowed.expand(BATCH, 1, 3, 20), beyond], dim=-1)
+    torch.testing.assert_close(run(query, key, value, longer), reference(query, key, value, allowed).float(),
                                rtol=1e-5, atol=1e-5)
 
 
