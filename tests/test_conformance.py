@@ -41,7 +41,7 @@ class TestSdpaFlash(AttentionConformance):
 
 
 class TestEager(AttentionConformance):
-    backend = "eager"
+    backend, architectures = "eager", FEW  # the suite's reference itself: the wiring, not the arithmetic
 
 
 class TestTritonFlash(AttentionConformance):
@@ -51,7 +51,7 @@ class TestTritonFlash(AttentionConformance):
 class TestFlashAttnAdapter(AttentionConformance):
     """flash_attn's adapter over a reference implementation of the package's two functions (no CUDA here)."""
 
-    backend = "flash_attn"
+    backend, architectures = "flash_attn", FEW
 
     @pytest.fixture(autouse=True)
     def reference_kernels(self):

@@ -42,7 +42,10 @@ def test_kernel_matches_reference(case):
         torch.testing.assert_close(out[b].transpose(0, 1)[real_queries], expected, rtol=1e-5, atol=1e-5)
 
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2"]
+# Grouped-query attention with a sliding window and soft-capping (gemma2), with a window alone (mistral), and
+# multi-head attention (gpt2): the interpreter runs each kernel call slowly, so the other architectures, which add
+# nothing the kernel sees, are left to the conformance suite on CUDA.
+ARCHS = ["mistral", "gemma2", "gpt2"]
 
 
 @pytest.mark.parametrize("arch, lengths", [(a, (1,)) for a in ARCHS] + [(a, (17, 5, 11)) for a in ARCHS]
