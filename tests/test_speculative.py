@@ -22,6 +22,7 @@ from hf_accel import Backend, hookimpl
 from hf_accel.runtime.speculative import loop as speculative_loop
 from hf_accel.runtime.speculative.loop import Draft, DraftLength, accept_sampled
 from hf_accel.runtime.speculative.runner import install_runner
+from hf_accel.testing.checks import chi_square_p_value
 
 
 class ScriptedDrafter:
@@ -205,17 +206,6 @@ def test_uncovered_generation_modes_fall_back_to_stock(llama, caplog):
         out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=2, do_sample=False)
     assert torch.equal(out, expected) and stats(llama)["fallbacks_to_stock"] == 1
     assert "num_beams" in caplog.text
-
-
-def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """Pearson's test, pooling categories expected fewer than 5 times into one."""
-    small = expected < 5
-    obs = torch.cat([observed[~small], observed[small].sum().reshape(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    keep = exp > 0
-    statistic = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic.double() / 2))
 
 
 def exact_continuations(model, prompt: torch.Tensor, mask: torch.Tensor, processors, vocab: int,
