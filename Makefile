@@ -26,7 +26,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/hf-accel demo
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist worksteal
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .

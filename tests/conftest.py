@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from hf_accel.patching.plugin_manager import reset_plugin_manager
 from hf_accel.testing.models import TINY_ARCHITECTURES, VOCAB, left_padded_batch, make_tiny_model  # noqa: F401
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (``make test`` runs a worker per core) each worker, and every process it
+    launches, computes on one thread: two workers of two threads each would fight over the cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests on the real model first: under xdist's work stealing the other worker then takes the
+    many short tests from the back of the queue, and no long test is left running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(params=sorted(TINY_ARCHITECTURES))
