@@ -1,5 +1,6 @@
-"""Linear layers on oneDNN-packed copies of their fp32 weights: the copies (kept beside the weights they were
-packed from, and checked against them), ``torch.ops.hf_accel.onednn_linear`` (``F.linear`` over a packed copy,
+"""Linear layers on oneDNN-packed copies of their fp32 weights: the copies (replacing the plain weights, or
+kept beside them and checked against them where the plain weight must stay: ``keep_original=True``, a tied
+head, a layer held outside the model), ``torch.ops.hf_accel.onednn_linear`` (``F.linear`` over a packed copy,
 opaque to torch.compile), ``PackedLinear`` and ``pack_linears``. Shared by the packing backend and the
 inductor backend, whose graphs call the op."""
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_accel.plugin import PatchContext, PatchError, children_of_type, shortfall
+from hf_accel.plugin import PatchContext, PatchError, children_of_type, held_outside, shortfall
 
 #: The row count oneDNN is told to expect when it packs: measured fastest for 1-16 rows on 2 cores.
 PACK_FOR_ROWS = 8
@@ -51,19 +52,18 @@ def packed_copy(weight: torch.Tensor, pack_for_rows: int = PACK_FOR_ROWS) -> tor
     if entry is None or not entry.current(weight):
         if weight.shape[-1] == 0:  # a handle whose packed copy went with an unpatch
             raise PatchError("this oneDNN-packed layer was unpatched; call the module unpatch handed back")
-        entry = _pack(weight, pack_for_rows, first=entry is None)
+        entry = _pack(weight, pack_for_rows)
     return entry.packed
 
 
-def _pack(weight: torch.Tensor, pack_for_rows: int, first: bool) -> PackedWeight:
+def _pack(weight: torch.Tensor, pack_for_rows: int) -> PackedWeight:
     rows, columns = weight.shape
     index = torch.linspace(0, rows - 1, min(rows, SAMPLED_VALUES), device=weight.device).long()
     sampled_columns = (index * 7919) % columns
     entry = PACKED[id(weight)] = PackedWeight(
         reorder(weight.detach(), pack_for_rows), weight.data_ptr(), weight.shape,
         _version(weight), index, sampled_columns, weight.detach()[index, sampled_columns].clone())
-    if first:  # the old copy of a repacked weight is replaced above; a dead tensor's copy goes here
-        weakref.finalize(weight, PACKED.pop, id(weight), None)
+    _watch(weight)  # the old copy of a repacked weight is replaced above; a dead tensor's copy goes there
     return entry
 
 
@@ -76,11 +76,9 @@ def hold(handle: torch.Tensor, packed: torch.Tensor) -> None:
     """Make ``packed`` the copy the product uses for ``handle`` (a layer whose plain weight was freed): never
     compared with the handle, which holds no values."""
     empty = handle.new_empty(0).long()
-    first = id(handle) not in PACKED
     PACKED[id(handle)] = PackedWeight(packed, handle.data_ptr(), handle.shape, _version(handle), empty, empty,
                                        handle.new_empty(0))
-    if first:
-        weakref.finalize(handle, PACKED.pop, id(handle), None)
+    _watch(handle)
 
 
 def drop_if_edited(weight: torch.Tensor) -> None:
@@ -93,6 +91,23 @@ def drop_if_edited(weight: torch.Tensor) -> None:
 
 def forget(weight: torch.Tensor) -> None:
     PACKED.pop(id(weight), None)
+
+
+#: One finalizer per tensor that has (or had) a packed copy, so that patching and unpatching the same weights
+#: again and again does not add one each time.
+_WATCHERS: dict[int, weakref.finalize] = {}
+
+
+def _watch(tensor: torch.Tensor) -> None:
+    """Drop ``tensor``'s packed copy when the tensor dies (before its id can be reused)."""
+    watcher = _WATCHERS.get(id(tensor))
+    if watcher is None or not watcher.alive:
+        _WATCHERS[id(tensor)] = weakref.finalize(tensor, _forget_id, id(tensor))
+
+
+def _forget_id(key: int) -> None:
+    PACKED.pop(key, None)
+    _WATCHERS.pop(key, None)
 
 
 def _version(weight: torch.Tensor) -> int:
@@ -132,11 +147,14 @@ class PackedLinear(nn.Module):
 
     With ``keep_original=True``, or where the weight is shared with another module (a head tied to the
     embeddings), it holds the original Parameter as ``weight`` beside the packed copy and packs again when
-    that weight changes. Falls back to ``F.linear`` when autograd needs the graph.
+    that weight changes. A layer ``held_outside`` the model (by a draft model, an optimizer, a variable) is
+    also left whole, weight and bias, for whoever else runs it. Falls back to ``F.linear`` when autograd
+    needs the graph.
     """
 
-    def __init__(self, linear: nn.Linear, keep_weight: bool) -> None:
+    def __init__(self, linear: nn.Linear, keep_weight: bool, held_outside: bool = False) -> None:
         super().__init__()
+        keep_weight = keep_weight or held_outside
         weight = linear.weight
         # Everything that can fail (packing: out of memory) before the original module is touched.
         packed = None if keep_weight else reorder(weight.detach(), PACK_FOR_ROWS)
@@ -154,7 +172,8 @@ class PackedLinear(nn.Module):
             # shape on its first dimension; its packed copy is found by its id.
             self.register_buffer("packed_handle", weight.new_empty(self.out_features, 0), persistent=False)
             hold(self.packed_handle, packed)
-        linear.weight, linear.bias = None, None
+        if not held_outside:  # else left whole: something outside the model still runs it
+            linear.weight, linear.bias = None, None
         if not keep_weight:
             weight.data = weight.data.new_empty(0)  # frees the plain weight's storage
 
@@ -316,9 +335,11 @@ def pack_linears(context: PatchContext) -> None:
     # newest first: this runs last, after the modules are back in place).
     context.changes.on_undo(lambda: [module.hand_back() for module in packed])
     keep, shared = context.option("keep_original", False), shared_weights(context.model)
+    # Layers (or weights) that another model, an optimizer or a variable also holds keep their plain weights.
+    elsewhere = held_outside(context.model, [linear for _, _, _, linear in linear_children(context.model)])
     for parent, name, qualified, linear in list(linear_children(context.model)):
         # One at a time: each plain weight is freed as soon as its packed copy exists.
-        packed.append(PackedLinear(linear, keep_weight=keep or id(linear.weight) in shared))
+        packed.append(PackedLinear(linear, keep or id(linear.weight) in shared, id(linear) in elsewhere))
         context.changes.set_submodule(parent, name, packed[-1])
         context.report.modules.append(qualified)
     context.before_each_call(lambda: [drop_if_edited(module.weight) for module in packed if module.holds_weight])

@@ -131,7 +131,7 @@ def test_caches_of_every_batch_size_share_one_buffer_and_the_most_recent_are_kep
     alternate batch sizes, each overwriting what the others' caches view, still get stock's tokens."""
     from hf_accel.runtime.compiled_step import CACHES_KEPT
 
-    hf_accel.patch(llama, compile="inductor", compile_when="auto", cache_bucket=32, speculative=None)
+    hf_accel.patch(llama, cache_bucket=32, **AT_ONCE)  # compiled graphs, not eager layers, over the pool
     step = llama._hf_accel_state.compiled_step
     sizes = list(range(1, CACHES_KEPT + 3))
     stock = make_tiny_model("llama")
@@ -140,6 +140,8 @@ def test_caches_of_every_batch_size_share_one_buffer_and_the_most_recent_are_kep
         expected = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
         assert torch.equal(greedy(llama, ids, mask, n=8), expected), batch
     details = compile_details(llama)
+    # compiled graphs served every step but the two that checked each shape class's new graph against eager
+    assert details["compiled_steps"] > 100 and details["misses"] == 0 and details["eager_steps"] == 2
     assert details["cached_batch_sizes"] == [1, 3, 5, 2] == list(step._caches)
     config = llama.config  # 32 positions x layers x (keys + values) x kv heads x head dim x fp32, per row
     per_row = 32 * config.num_hidden_layers * 2 * config.num_key_value_heads * (config.hidden_size // 4) * 4

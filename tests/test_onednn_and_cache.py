@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -282,9 +283,11 @@ def test_packing_frees_the_plain_weights_and_unpatch_refills_the_same_parameters
     exact values, and unpatch gives the same Parameter objects back with the same values."""
     model = make_tiny_model("llama")
     before = state_dict_copy(model)
-    params = {name: p for name, p in model.named_parameters() if name.endswith("proj.weight") or "lm_head" in name}
+    # Weak references: a Parameter this test held would be one held outside the model, which keeps its weight.
+    params = {name: weakref.ref(p) for name, p in model.named_parameters()
+              if name.endswith("proj.weight") or "lm_head" in name}
     hf_accel.patch(model, compile="onednn_prepack", speculative=None)
-    assert all(p.numel() == 0 for p in params.values())
+    assert all(p().numel() == 0 for p in params.values())
     assert hf_accel.report(model)["compile"].details["plain_weights_kept"] == 0
     assert_same_state(before, state_dict_copy(model))
     assert list(model.state_dict()) == list(before)  # same keys, same order
@@ -292,7 +295,8 @@ def test_packing_frees_the_plain_weights_and_unpatch_refills_the_same_parameters
         model.model.layers[0].mlp.up_proj.weight  # noqa: B018
     assert torch.equal(model.model.layers[0].mlp.up_proj.dense_weight(), before["model.layers.0.mlp.up_proj.weight"])
     hf_accel.unpatch(model)
-    assert {name: p for name, p in model.named_parameters() if name in params} == params  # the same objects
+    assert {name: p for name, p in model.named_parameters() if name in params} == {  # the same objects
+        name: ref() for name, ref in params.items()}
     assert_same_state(before, state_dict_copy(model))
 
 

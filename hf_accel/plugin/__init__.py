@@ -35,6 +35,7 @@ from hf_accel.plugin.quantize import (
                                        SELECTION_OPTIONS,
                                        SavedAsFloat,
                                        children_of_type,
+                                       held_outside,
                                        linear_children,
                                        quantized_bytes,
                                        record_quantization,
@@ -64,7 +65,7 @@ __all__ = [
     # attention
     "configs_of", "head_dim", "register_implementation", "set_attention", "transformers_refusal",
     # quantization
-    "SELECTION_OPTIONS", "SavedAsFloat", "children_of_type", "linear_children", "quantized_bytes",
+    "SELECTION_OPTIONS", "SavedAsFloat", "children_of_type", "held_outside", "linear_children", "quantized_bytes",
     "record_quantization", "selected_embeddings", "selected_linears", "tensor_bytes", "weight_and_bias",
     # caches and the compiled step (what a kv_cache or compile backend installs: a RollbackCache, a DecodeStep)
     "BF16_CHECK_TOLERANCE", "CHECK_TOLERANCE", "CachedLM", "CompileStore", "CompilePolicy", "CompiledDecodeStep",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sys
+from collections import Counter
 from typing import Iterator, Sequence
 
 import torch
@@ -24,6 +26,32 @@ def children_of_type(model: nn.Module, types: tuple[type, ...]) -> Iterator[Chil
         for name, child in parent.named_children():
             if type(child) in types:
                 yield parent, name, f"{parent_name}.{name}".lstrip("."), child
+
+
+def held_outside(model: nn.Module, layers: list[nn.Module]) -> set[int]:
+    """ids of the ``layers`` (submodules of ``model``) that something outside the model also holds, the layer
+    itself or one of its parameters: another model sharing the layer (a draft model given the target's head),
+    an optimizer, a variable. A backend must not free those layers' weights or take the layers apart.
+
+    Counted, not searched: a layer holds one reference more than a fresh layer in a container would for each
+    further place in the model that holds it (a head tied to the embeddings), and any reference beyond those
+    is from outside. Call it before holding the layers anywhere but in ``layers``.
+    """
+    in_model = Counter(id(x) for m in model.modules() for d in (m._modules, m._parameters) for x in d.values())
+    control = nn.Sequential(nn.Linear(1, 1, bias=False))  # held by its parent and by one list, as ``layers`` are
+    (fresh_layer, [(_, fresh_parameter)]), = _reference_counts(list(control))
+    held = set()
+    for layer, (count, parameters) in zip(layers, _reference_counts(layers)):
+        if count - fresh_layer > in_model[id(layer)] - 1 or any(
+                n - fresh_parameter > in_model[id(p)] - 1 for p, n in parameters):
+            held.add(id(layer))
+    return held
+
+
+def _reference_counts(layers: list[nn.Module]) -> list[tuple[int, list[tuple[nn.Parameter, int]]]]:
+    """References to each layer, and to each of its parameters, as counted here."""
+    return [(sys.getrefcount(layer), [(p, sys.getrefcount(p) - 1) for p in layer._parameters.values() if p is not None])
+            for layer in layers]
 
 
 def linear_children(model: nn.Module) -> Iterator[Child]:

@@ -53,8 +53,8 @@ def run_memory_bench(model_dir: str, gguf_file: str | None, prompts: list[str], 
 
 def format_memory_table(runs: list[MemoryRun], calls: int = len(MIXED_CALLS)) -> str:
     stock = next((r for r in runs if r.report_held_bytes is None), None)
-    lines = [("config", "load peak MB", "after patch MB", "after 1st call MB", f"after {calls} calls MB",
-              "x stock", f"{calls} calls / 1st", "process peak MB", "x stock", "report: held MB")]
+    lines = [("config", "load peak MiB", "after patch MiB", "after 1st call MiB", f"after {calls} calls MiB",
+              "x stock", f"{calls} calls / 1st", "process peak MiB", "x stock", "report: held MiB")]
     for r in runs:
         held = "-" if r.report_held_bytes is None else f"{r.report_held_bytes / 2**20:+.0f}"
         lines.append((r.config, f"{r.load_mb:.0f}", f"{r.patch_mb:.0f}", f"{r.first_call_mb:.0f}",
