@@ -6,6 +6,7 @@ inductor backend, whose graphs call the op."""
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_accel.plugin import PatchContext, PatchError, children_of_type, held_outside, shortfall
+
+logger = logging.getLogger(__name__)
 
 #: The row count oneDNN is told to expect when it packs: measured fastest for 1-16 rows on 2 cores.
 PACK_FOR_ROWS = 8
@@ -336,7 +339,13 @@ def pack_linears(context: PatchContext) -> None:
     context.changes.on_undo(lambda: [module.hand_back() for module in packed])
     keep, shared = context.option("keep_original", False), shared_weights(context.model)
     # Layers (or weights) that another model, an optimizer or a variable also holds keep their plain weights.
-    elsewhere = held_outside(context.model, [linear for _, _, _, linear in linear_children(context.model)])
+    elsewhere = held_outside(context.model)
+    if elsewhere:
+        logger.warning("hf_accel: %d Linear layers (%s) are also held outside the model, by an optimizer, another "
+                       "model, a variable or the graph of an output computed with gradients on: their plain weights "
+                       "stay beside the packed copies (a compiled step may run them uncompiled); drop those references "
+                       "before patching to save the memory.",
+                       len(elsewhere), ", ".join(sorted(elsewhere.values())[:3]) + (", ..." * (len(elsewhere) > 3)))
     for parent, name, qualified, linear in list(linear_children(context.model)):
         # One at a time: each plain weight is freed as soon as its packed copy exists.
         packed.append(PackedLinear(linear, keep or id(linear.weight) in shared, id(linear) in elsewhere))
@@ -351,19 +360,20 @@ def pack_linears(context: PatchContext) -> None:
         _guard_conversions(context, context.model.get_submodule(name))
     context.report.details["packed_linears"] = len(context.report.modules)
     context.report.details["plain_weights_kept"] = sum(module.holds_weight for module in packed)
+    context.report.details["held_outside_the_model"] = sorted(elsewhere.values())
     context.account_memory("oneDNN-packed weights", lambda: sum(module.packed_bytes() for module in packed))
     context.account_memory("plain weights freed", lambda: -sum(module.plain_bytes() for module in packed
                                                                if not module.holds_weight))
 
 
 def packing_bytes(model: nn.Module) -> int:
-    """Bytes packing adds: a copy of each weight something else also holds (a tied head), and, while packing,
-    the largest one (each plain weight is freed once its copy exists)."""
+    """Bytes packing adds: a copy of each weight something else also holds (a tied head, a layer held outside
+    the model), and, while packing, the largest one (each plain weight is freed once its copy exists)."""
     linears = [linear for _, _, _, linear in linear_children(model)]
     if not linears:
         return 0
-    shared = shared_weights(model)
-    kept = sum(linear.weight.nbytes for linear in linears if id(linear.weight) in shared)
+    shared, elsewhere = shared_weights(model), held_outside(model)
+    kept = sum(linear.weight.nbytes for linear in linears if id(linear.weight) in shared or id(linear) in elsewhere)
     return kept + max(linear.weight.nbytes for linear in linears)
 
 

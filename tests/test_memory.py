@@ -48,7 +48,8 @@ def test_the_reports_bytes_are_the_tensors_each_feature_holds():
 def live_tensor_bytes() -> int:
     """Bytes of every tensor alive in this process that Python can reach, each storage once (an emptied
     weight counts nothing, a plain weight kept anywhere counts whole), plus the opaque oneDNN tensors' own
-    size. Found through the garbage collector, so independent of what the report reads."""
+    size (element count, as the report counts them). Found through the garbage collector, not through the
+    objects the report reads."""
     gc.collect()
     storages, opaque = {}, 0
     for obj in gc.get_objects():
@@ -67,6 +68,11 @@ def test_the_reports_total_is_what_the_process_holds_in_tensors(arch):
     """Every tensor Python can reach, counted before the patch and after calls of two batch sizes: the
     difference is the report's total (within 1%: small tensors the report leaves out, such as the sampled
     values each packed weight is checked against); unpatch gives the memory back."""
+    warm = make_tiny_model(arch)  # whatever torch and hf_accel create once per process, created before counting
+    hf_accel.patch(warm, compile_when="first_use")
+    warm.generate(**dict(zip(("input_ids", "attention_mask"), left_padded_batch(warm))), max_new_tokens=2)
+    hf_accel.unpatch(warm)
+    del warm
     model = make_tiny_model(arch)
     before = live_tensor_bytes()
     hf_accel.patch(model, compile_when="first_use")
@@ -123,6 +129,7 @@ def test_layers_something_outside_the_model_holds_keep_their_weights():
     report = hf_accel.report(target)
     assert report["speculative"].backend == "draft_model"
     assert report["compile"].details["plain_weights_kept"] == 2  # the shared head and the held layer
+    assert report["compile"].details["held_outside_the_model"] == ["lm_head", "model.layers.0.mlp.down_proj"]
     assert torch.equal(target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False),
                        expected)
     with torch.no_grad():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import sys
 from collections import Counter
@@ -28,30 +29,41 @@ def children_of_type(model: nn.Module, types: tuple[type, ...]) -> Iterator[Chil
                 yield parent, name, f"{parent_name}.{name}".lstrip("."), child
 
 
-def held_outside(model: nn.Module, layers: list[nn.Module]) -> set[int]:
-    """ids of the ``layers`` (submodules of ``model``) that something outside the model also holds, the layer
-    itself or one of its parameters: another model sharing the layer (a draft model given the target's head),
-    an optimizer, a variable. A backend must not free those layers' weights or take the layers apart.
+def held_outside(model: nn.Module, types: tuple[type, ...] = (nn.Linear,)) -> dict[int, str]:
+    """The submodules of ``model`` of exactly one of ``types`` that something outside the model also holds,
+    the module itself or one of its parameters (id -> qualified name): another model sharing the layer (a draft
+    model given the target's head), an optimizer, a variable, a live autograd graph. A backend must not free
+    those layers' weights or take the layers apart.
 
-    Counted, not searched: a layer holds one reference more than a fresh layer in a container would for each
-    further place in the model that holds it (a head tied to the embeddings), and any reference beyond those
-    is from outside. Call it before holding the layers anywhere but in ``layers``.
+    Counted, not searched: a layer has as many references as a fresh one in a container, plus one for each
+    further place in the model that holds it (a head tied to the embeddings); any beyond those are from
+    outside. Garbage is collected first when some layer looks held, so that dead cycles do not count.
+
+    Example: ``held = held_outside(model)`` before replacing layers; keep the weights of those in ``held``.
     """
-    in_model = Counter(id(x) for m in model.modules() for d in (m._modules, m._parameters) for x in d.values())
-    control = nn.Sequential(nn.Linear(1, 1, bias=False))  # held by its parent and by one list, as ``layers`` are
-    (fresh_layer, [(_, fresh_parameter)]), = _reference_counts(list(control))
-    held = set()
-    for layer, (count, parameters) in zip(layers, _reference_counts(layers)):
-        if count - fresh_layer > in_model[id(layer)] - 1 or any(
-                n - fresh_parameter > in_model[id(p)] - 1 for p, n in parameters):
-            held.add(id(layer))
+    (_, _, fresh_layer, [(_, fresh_parameter)]), = _reference_counts(nn.Sequential(nn.Linear(1, 1, bias=False)),
+                                                                      (nn.Linear,))
+    held = _beyond(model, types, fresh_layer, fresh_parameter)
+    if held:
+        gc.collect()
+        held = _beyond(model, types, fresh_layer, fresh_parameter)
     return held
 
 
-def _reference_counts(layers: list[nn.Module]) -> list[tuple[int, list[tuple[nn.Parameter, int]]]]:
-    """References to each layer, and to each of its parameters, as counted here."""
-    return [(sys.getrefcount(layer), [(p, sys.getrefcount(p) - 1) for p in layer._parameters.values() if p is not None])
-            for layer in layers]
+def _beyond(model: nn.Module, types: tuple[type, ...], fresh_layer: int, fresh_parameter: int) -> dict[int, str]:
+    in_model = Counter(id(x) for m in model.modules() for d in (m._modules, m._parameters) for x in d.values())
+    return {key: name for key, name, count, parameters in _reference_counts(model, types)
+            if count - fresh_layer > in_model[key] - 1
+            or any(n - fresh_parameter > in_model[p] - 1 for p, n in parameters)}
+
+
+def _reference_counts(model: nn.Module, types: tuple[type, ...]) -> list[tuple[int, str, int, list[tuple[int, int]]]]:
+    """For each layer of ``types`` in ``model``: its id, name and references, and its parameters' ids and
+    references, counted the same way for every model (so a fresh layer's counts are the baseline)."""
+    layers = [(name, m) for name, m in model.named_modules() if type(m) in types]
+    return [(id(layer), name, sys.getrefcount(layer),
+             [(id(p), sys.getrefcount(p)) for p in layer._parameters.values() if p is not None])
+            for name, layer in layers]
 
 
 def linear_children(model: nn.Module) -> Iterator[Child]:
