@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -37,9 +38,18 @@ def run_processes(command: list[str], cache: Path, timeout: float = 300) -> subp
     env = {**os.environ, "HF_ACCEL_CACHE": str(cache), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "HF_HOME": str(cache / "hf_home")}
     try:
-        return run_launch(command, env, timeout)
+        done = run_launch(command, env, timeout)
+        if done.returncode != 0 and ABORT_IN_TORCH in done.stderr:
+            # A process aborted inside torch's C++ threads (gloo), not in Python: seen once in ~20 launches,
+            # with the other test worker loading both cores. Launched once more, and said so in the summary.
+            warnings.warn(f"a launch aborted in C++ ({ABORT_IN_TORCH!r}); launched again", stacklevel=2)
+            done = run_launch(command, env, timeout)
+        return done
     except LaunchError as exc:
         pytest.fail(str(exc))
+
+
+ABORT_IN_TORCH = "terminate called without an active exception"
 
 
 def run_job(launcher: list[str], out: Path, *flags: str, cache: Path) -> list[dict]:
