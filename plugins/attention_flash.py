@@ -180,7 +180,7 @@ def hf_accel_register_backends(register):
         apply=lambda context: set_attention(context, FLASH_ATTN),
         why_unavailable=flash_attn_unavailable,
         why_unsuitable=flash_attn_unsuitable,
-        capabilities=Capabilities(partial_weights=True),  # the kernel sees activations, not weights
+        capabilities=Capabilities(partial_weights=True, padded_masks=False),  # it sees activations, not weights
         priority=30,
         install="pip install 'hf_accel[flash]'",
         description="FlashAttention-2 kernels from the flash-attn package (varlen for padded batches)",

@@ -168,7 +168,7 @@ def hf_accel_register_backends(register):
         apply=lambda context: set_attention(context, TRITON_FLASH),
         why_unavailable=triton_problem,
         why_unsuitable=triton_unsuitable,
-        capabilities=Capabilities(partial_weights=True),  # the kernel sees activations, not weights
+        capabilities=Capabilities(partial_weights=True, padded_masks=False),  # it sees activations, not weights
         priority=25,
         description="FlashAttention-2 forward written in Triton (online softmax, GQA, window, softcap, padding)",
     ))

@@ -120,6 +120,22 @@ def why_unavailable() -> str | None:
 
 
 def why_unsuitable(context: PatchContext) -> str | None:
+    problem = _model_problem(context)
+    if problem:
+        return problem
+    cache = context.state.kv_cache
+    if cache is not None and any(type(layer).encode is not PreallocatedLayer.encode for layer in cache.layers):
+        return ("the KV cache stores keys and values in another form (e.g. kv_cache='static-int8'), which the "
+                "compiled step's fixed-shape cache would replace; use kv_cache='static' to compile the decode step")
+    implementation = context.model.config._attn_implementation
+    if ALL_MASK_ATTENTION_FUNCTIONS.get(implementation) is flash_attention_mask:
+        return (f"attention {implementation!r} takes unpadded sequences (flash-style masks), which a fixed-shape "
+                "cache does not give it; choose attention='sdpa_flash' or 'sdpa' to compile the decode step")
+    return None
+
+
+def _model_problem(context: PatchContext) -> str | None:
+    """Why the step cannot serve this model at all, whatever attention and KV cache it is given."""
     model = context.model
     if context.state.device.type == "cpu" and _cpp_compiler() is None:
         return "inductor needs a C++ compiler on CPU and none was found (install g++ or clang, or set CXX)"
@@ -134,14 +150,6 @@ def why_unsuitable(context: PatchContext) -> str | None:
     if any("forward" in vars(region.layer) and not is_routed(region.layer) for region in regions):
         return ("its decoder layers' forward is wrapped on the instance (accelerate hooks?), which compiling would "
                 "bypass")
-    cache = context.state.kv_cache
-    if cache is not None and any(type(layer).encode is not PreallocatedLayer.encode for layer in cache.layers):
-        return ("the KV cache stores keys and values in another form (e.g. kv_cache='static-int8'), which the "
-                "compiled step's fixed-shape cache would replace; use kv_cache='static' to compile the decode step")
-    implementation = model.config._attn_implementation
-    if ALL_MASK_ATTENTION_FUNCTIONS.get(implementation) is flash_attention_mask:
-        return (f"attention {implementation!r} takes unpadded sequences (flash-style masks), which a fixed-shape "
-                "cache does not give it; choose attention='sdpa_flash' or 'sdpa' to compile the decode step")
     return None
 
 
@@ -152,6 +160,18 @@ def _cpp_compiler() -> str | None:
         return get_cpp_compiler()
     except Exception:  # raises when no compiler is found
         return shutil.which("g++") or shutil.which("clang++")
+
+
+@hookimpl
+def hf_accel_select_backend(feature: str, candidates: tuple[Backend, ...], context: PatchContext) -> Backend | None:
+    """``auto`` attention, when this step will compile the decode steps: the best candidate that takes padded
+    masks. A flash-style kernel ranks higher on CUDA but would leave the model with no compiled step, and for the
+    one-token decode steps that dominate generation the step (CUDA graphs, fused code) outweighs the kernel."""
+    if feature != "attention" or context.state.arguments.get("compile") not in ("auto", True, "inductor"):
+        return None
+    if why_unavailable() or _model_problem(context):
+        return None  # no step to keep: the plain ranking stands
+    return next((candidate for candidate in candidates if candidate.capabilities.padded_masks), None)
 
 
 @hookimpl

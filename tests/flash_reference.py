@@ -13,8 +13,8 @@ def attend(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), soft
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    i = torch.arange(q.shape[0])[:, None] + (k.shape[0] - q.shape[0])
-    j = torch.arange(k.shape[0])[None, :]
+    i = torch.arange(q.shape[0], device=q.device)[:, None] + (k.shape[0] - q.shape[0])
+    j = torch.arange(k.shape[0], device=q.device)[None, :]
     allowed = torch.ones_like(i == j)
     if causal:
         allowed &= j <= i
@@ -49,3 +49,28 @@ class ReferenceFlashAttn:
             ks = slice(int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1]))
             pieces.append(attend(q[qs], k[ks], v[ks], softmax_scale, causal, window_size, softcap))
         return torch.cat(pieces)
+
+
+KERNEL_CASES = {  # M queries, N keys, heads, kv heads, dim, window, softcap, left padding per row
+    "prefill-gqa-padded": (20, 20, 4, 2, 16, None, None, [0, 5]),
+    "decode-mqa-window-softcap": (1, 37, 4, 1, 16, 8, 30.0, [0, 3]),
+    "chunk-over-cache-odd-dim": (7, 50, 6, 3, 24, None, None, [2, 0]),
+    "long-window": (40, 300, 2, 2, 16, 16, None, [0]),
+}
+
+
+def check_kernel_case(kernel, case: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                      tolerance: float = 1e-5) -> None:
+    """``kernel`` (triton_attention's signature) against :func:`attend` on one of :data:`KERNEL_CASES`, row by
+    row over each row's real (unpadded) keys."""
+    m, n, heads, kv_heads, dim, window, softcap, pads = KERNEL_CASES[case]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(len(pads), h, length, dim, generator=g).to(device, dtype)
+               for h, length in ((heads, m), (kv_heads, n), (kv_heads, n)))
+    out = kernel(q, k, v, torch.tensor(pads, device=device), dim**-0.5, True, window, softcap)
+    for b, pad in enumerate(pads):
+        real_queries = slice(max(0, pad - (n - m)), None)
+        expected = attend(q[b].transpose(0, 1)[real_queries], k[b, :, pad:].transpose(0, 1),
+                          v[b, :, pad:].transpose(0, 1), dim**-0.5, True, (window - 1 if window else -1, 0),
+                          softcap or 0.0)
+        torch.testing.assert_close(out[b].transpose(0, 1)[real_queries], expected, rtol=tolerance, atol=tolerance)

@@ -86,3 +86,14 @@ def test_on_cpu_the_default_dispatch_picks_the_flash_kernel_sdpa_flash_relies_on
                           (torch.randn(3, 9, 5, 64), None)):
         choice = torch._fused_sdp_choice(queries, keys, keys, attn_mask=mask, enable_gqa=True)
         assert SDPBackend(choice) == SDPBackend.FLASH_ATTENTION
+
+
+def test_auto_attention_keeps_the_compiled_step_over_a_flash_style_kernel(reference_kernels, llama):
+    """flash_attn outranks sdpa_flash, but its unpadded inputs would leave the decode step uncompiled (as on CUDA,
+    where triton_flash and flash_attn are available): with the step wanted, auto picks sdpa_flash."""
+    hf_accel.patch(llama, speculative=None)
+    chosen = hf_accel.report(llama).features
+    assert (chosen["attention"].backend, chosen["compile"].backend) == ("sdpa_flash", "inductor")
+    hf_accel.unpatch(llama)
+    hf_accel.patch(llama, compile=None, speculative=None)
+    assert hf_accel.report(llama).features["attention"].backend == "flash_attn"  # no step to keep: plain ranking

@@ -6,6 +6,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 import hf_accel
 from hf_accel.tools import cli, models
@@ -86,6 +87,8 @@ def test_bench_runs_side_by_side_and_writes_json(tiny_model_dir, tmp_path, capsy
     (["bench", "--prompts", "/no/such/file.jsonl"], "No prompts file"),
     (["bench", "--quantize", "int3"], "quantize"),
     (["bench", "--repeat", "0"], "at least 1"),
+    (["bench", "--cold", "--random-weights"], "--random-weights apply to the steady-state bench, not to --cold"),
+    (["bench", "--memory", "--dtype", "bfloat16"], "not to --memory"),
     (["generate", "--prompt", "hi", "--attention", "flashy"], "Unknown attention backend 'flashy'"),
     (["generate", "--prompt", "hi", "--speculative", "telepathy"], "Unknown speculative backend"),
 ])
@@ -198,3 +201,25 @@ def test_against_llama_cpp_without_the_package_names_the_install(monkeypatch, ca
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else real(name))
     assert main(["bench", "--against", "llama.cpp"]) == 2
     assert "pip install llama-cpp-python" in capsys.readouterr().err
+
+
+def test_bench_device_without_cuda_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert main(["bench", "--device", "cuda", "--configs", "none"]) == 2
+    assert "--device cuda: this PyTorch sees no CUDA device; pass --device cpu" in capsys.readouterr().err
+
+
+def test_random_weights_keep_the_architecture_config_and_tokenizer_not_the_weights(tiny_model_dir):
+    from hf_accel.tools.models import load_model
+
+    saved, tokenizer = load_model(tiny_model_dir)
+    random, random_tokenizer = load_model(tiny_model_dir, random_weights=True, dtype=torch.bfloat16)
+    again, _ = load_model(tiny_model_dir, random_weights=True, dtype=torch.bfloat16)
+    assert type(random) is type(saved) and random.config.to_diff_dict() | {"dtype": None} == (
+        saved.config.to_diff_dict() | {"dtype": None})
+    assert random_tokenizer.get_vocab() == tokenizer.get_vocab()
+    weights = dict(random.named_parameters())
+    assert all(p.dtype == torch.bfloat16 for p in weights.values())
+    assert any(not torch.equal(p.float(), weights[n].float()) for n, p in saved.named_parameters())  # not the saved
+    assert all(torch.equal(p, dict(again.named_parameters())[n]) for n, p in weights.items())  # seeded

@@ -45,7 +45,10 @@ class TestEager(AttentionConformance):
 
 
 class TestTritonFlash(AttentionConformance):
-    backend = "triton_flash"  # CUDA only: here its availability check's reason, the rest skipped with it
+    # CUDA only (it declares no device: Triton's interpreter runs it on the CPU too); without CUDA, its
+    # availability check's reason, the rest skipped with it.
+    backend = "triton_flash"
+    device = "cuda" if torch.cuda.is_available() else None
 
 
 class TestFlashAttnAdapter(AttentionConformance):

@@ -40,6 +40,9 @@ class Capabilities:
     :param split_devices: whether it serves a model whose layers ``device_map`` placed on several devices,
         making what it makes (caches, quantized weights) on each layer's own device. ``partial_weights``
         implies it.
+    :param padded_masks: (attention) whether it takes the padded masks of a fixed-shape KV cache, as a compiled
+        decode step gives them; flash-style kernels that take unpadded sequences do not. Not checked against the
+        model: a compile plugin's selection hook reads it to keep its step on.
     """
 
     devices: tuple[str, ...] = ()
@@ -49,6 +52,7 @@ class Capabilities:
     grouped_query: bool = True
     partial_weights: bool = False
     split_devices: bool = False
+    padded_masks: bool = True
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,27 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from hf_accel.tools.models import default_model_file, load_default_model, load_model
+import torch
+
+from hf_accel.tools.models import default_model_file, load_model
 
 
 class CLIError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="a local model directory or .gguf file (default: embedded SmolLM2-135M)")
     parser.add_argument("--gguf-file", help="the GGUF file inside --model")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the weights' dtype")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="the model's architecture with seeded random weights (a directory needs only its config "
+                             "and tokenizer): speed and identity where the weights are not at hand; what speculation "
+                             "accepts then says nothing about the real model")
 
 
 def gguf_path(args: argparse.Namespace) -> Path:
@@ -30,7 +41,21 @@ def gguf_path(args: argparse.Namespace) -> Path:
 
 
 def load_from_args(args: argparse.Namespace):
-    """The model and tokenizer ``--model``/``--gguf-file`` name, else the embedded default."""
+    """The model and tokenizer ``--model``/``--gguf-file`` name, else the embedded default, on ``--device`` in
+    ``--dtype``, with random weights if ``--random-weights``."""
+    device = getattr(args, "device", "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device {device}: this PyTorch sees no CUDA device; pass --device cpu")
+    settings = {"dtype": DTYPES[getattr(args, "dtype", "float32")], "device": device,
+                "random_weights": getattr(args, "random_weights", False)}
     if args.model is None:
-        return load_default_model()
-    return load_model(args.model, gguf_file=args.gguf_file)
+        gguf = default_model_file()
+        return load_model(gguf.parent, gguf_file=gguf.name, **settings)
+    return load_model(args.model, gguf_file=args.gguf_file, **settings)
+
+
+def only_default_model_settings(args: argparse.Namespace, mode: str) -> None:
+    """Refuse ``--device``/``--dtype``/``--random-weights`` where ``mode`` loads the model in fresh processes."""
+    if args.device != "cpu" or args.dtype != "float32" or args.random_weights:
+        raise CLIError(f"--device, --dtype and --random-weights apply to the steady-state bench, not to {mode}; "
+                       "leave them out")

@@ -38,14 +38,16 @@ def default_model_file() -> Path:
 
 
 def load_model(path: str | os.PathLike, gguf_file: str | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu"):
+               device: str | torch.device = "cpu", random_weights: bool = False):
     """Load a causal LM and its tokenizer from a local directory, or from a GGUF file (dequantized to ``dtype``).
+    ``random_weights``: only the config and tokenizer are read; the weights are the architecture's own
+    initialisation from seed 0 (for timing a model whose weights are elsewhere).
 
     Example::
 
         >>> model, tokenizer = load_model("/models/SmolLM2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf" and gguf_file is None:
@@ -56,7 +58,14 @@ def load_model(path: str | os.PathLike, gguf_file: str | None = None, dtype: tor
         raise ModelNotFoundError(f"No GGUF file {gguf_file!r} in {path}")
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
+    if random_weights:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, **kwargs), dtype=dtype).eval()
+        if gguf_file is None:
+            _read_generation_config(model, path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
     return model, tokenizer
@@ -74,3 +83,13 @@ def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.d
     gguf = default_model_file()
     logger.info("loading the default model from %s", gguf)
     return load_model(gguf.parent, gguf_file=gguf.name, dtype=dtype, device=device)
+
+
+def _read_generation_config(model, path: Path) -> None:
+    """The directory's generation config (EOS, pad, model-card settings), as ``from_pretrained`` would read it."""
+    from transformers import GenerationConfig
+
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # none saved: the model's default, derived from its config
+        pass

@@ -46,6 +46,8 @@ def timed_generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: 
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock, **kwargs)
-    end = time.perf_counter()
     sequences = out.sequences if hasattr(out, "sequences") else out
+    if sequences.is_cuda:
+        torch.cuda.synchronize(sequences.device)  # the last kernels finish before the clock stops
+    end = time.perf_counter()
     return Timed(sequences[:, prompt_length:], end - start, (clock.first_at or end) - start)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hf_accel import BackendUnavailableError, available_backends, check_arguments, patch, report, unpatch
-from hf_accel.tools.common import CLIError, gguf_path, load_from_args
+from hf_accel.tools.common import CLIError, gguf_path, load_from_args, only_default_model_settings
 from hf_accel.tools.models import default_model_file
 from hf_accel.tools.prompts import load_prompts, one_per_category
 
@@ -23,6 +23,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from hf_accel.tools.bench.steady import default_configs, run_bench
     from hf_accel.tools.bench.tables import format_table, plot, summary_table, write_json
 
+    for flag, mode in ((args.processes is not None, "--processes"), (args.cold, "--cold"), (args.memory, "--memory")):
+        if flag:
+            only_default_model_settings(args, mode)
     if args.processes is not None:
         return bench_processes(args)
     if args.batch_size is not None or args.job is not None:
