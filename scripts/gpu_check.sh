@@ -69,9 +69,10 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from hf_accel.tools.models import default_model_file
 
 gguf, target = default_model_file(), sys.argv[1]
-AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(target)
+config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+config.save_pretrained(target)
+GenerationConfig.from_model_config(config).save_pretrained(target)
 AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(target)
-GenerationConfig.from_model_config(AutoConfig.from_pretrained(target)).save_pretrained(target)
 print(f"wrote the config and tokenizer of {gguf.name} to {target}")
 EOF
 }

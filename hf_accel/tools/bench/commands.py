@@ -60,7 +60,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bar.set_postfix_str(label[:60])
         bar.update(1)
 
-    rows = run_bench(model, tokenizer, prompts, configs, args.max_new_tokens, args.repeat, progress, gguf)
+    rows = run_bench(model, tokenizer, prompts, configs, args.max_new_tokens, args.repeat, progress, gguf,
+                     perplexity=not args.random_weights)
     bar.close()
     print(f"\n{summary_table(rows)}\n\n{format_table(rows)}")
     if args.json:

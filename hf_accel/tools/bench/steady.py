@@ -124,10 +124,11 @@ def _acceptance(model) -> tuple[int, int]:
 
 def run_bench(model, tokenizer, prompts: list[Prompt], configs: list[BenchConfig], max_new_tokens: int = 128,
               repeat: int = 1, progress: Callable[[str], None] | None = None,
-              llama_cpp_gguf: str | Path | None = None) -> list[Row]:
+              llama_cpp_gguf: str | Path | None = None, perplexity: bool = True) -> list[Row]:
     """Run every configuration on every prompt (then llama.cpp on the GGUF file, if given); rows come back
-    with ratios and identity to stock filled in."""
-    session = BenchSession(model, tokenizer, prompts, max_new_tokens, repeat, progress)
+    with ratios and identity to stock filled in. ``perplexity``: measure it for stock and quantized
+    configurations (it means nothing for random weights)."""
+    session = BenchSession(model, tokenizer, prompts, max_new_tokens, repeat, progress, measure_quality=perplexity)
     rows = [row for config in configs for row in session.run(config)]
     if llama_cpp_gguf is not None:
         rows += run_llama_cpp(llama_cpp_gguf, session.encoded, prompts, max_new_tokens, repeat, session.stock_tokens,
@@ -147,6 +148,7 @@ class BenchSession:
     max_new_tokens: int = 128
     repeat: int = 1
     progress: Callable[[str], None] | None = None
+    measure_quality: bool = True
     stock_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -172,8 +174,8 @@ class BenchSession:
                 rows.append(self._timed(config, name, prompt, inputs, warm))
                 warm = 0.0
             peak = rss_mb()
-            quality = _quality(self.model, self.tokenizer) if config.group == "stock" or _quantized(config) else (
-                None, None)
+            measured = self.measure_quality and (config.group == "stock" or _quantized(config))
+            quality = _quality(self.model, self.tokenizer) if measured else (None, None)
             compile_s = _compile_seconds(self.model) if config.patch_kwargs is not None else None
             for row in rows:
                 row.peak_rss_mb, (row.perplexity, row.weight_mb), row.compile_s = peak, quality, compile_s
