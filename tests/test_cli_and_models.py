@@ -185,6 +185,18 @@ def test_bench_step_splits_matmul_from_the_rest(tiny_model_dir, capsys):
     assert "decode tok/s" in out and "compile s" in out and "1.00x" in out
 
 
+def test_bench_step_counts_the_bytes_packed_layers_read_after_their_plain_weights_were_freed():
+    from conftest import make_tiny_model
+
+    from hf_accel.tools.bench.step import matmul_weight_bytes
+
+    model = make_tiny_model("llama")
+    stock = matmul_weight_bytes(model)
+    hf_accel.patch(model, compile="onednn_prepack", kv_cache=None, speculative=None, attention=None)
+    assert hf_accel.report(model)["compile"].backend == "onednn_prepack"
+    assert matmul_weight_bytes(model) == stock  # was ~the head alone: every freed weight counted nothing
+
+
 def test_bench_labels_a_configuration_whose_feature_was_not_applied():
     from conftest import make_tiny_model
 

@@ -44,17 +44,21 @@ class StepProfile:
 
 def matmul_weight_bytes(model: nn.Module) -> int:
     """Bytes of every 2-D weight (or quantized ``qweight`` / ``packed_weight``) a step multiplies by: all leaf
-    modules with one, except embedding tables, which are indexed rather than read whole. Tied tensors once."""
+    modules with one, except embedding tables, which are indexed rather than read whole. Tied tensors once. A
+    layer whose plain weight was freed for a packed copy says what it reads through ``packed_bytes()``."""
     seen, total = set(), 0
     for module in model.modules():
         if next(module.children(), None) is not None or isinstance(module, nn.Embedding):
             continue
         for name in ("packed_weight", "qweight", "weight"):
             tensor = getattr(module, name, None)
-            if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.data_ptr() not in seen:
-                seen.add(tensor.data_ptr())
-                total += tensor.numel() * tensor.element_size()
+            if isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
+                if tensor.data_ptr() not in seen:
+                    seen.add(tensor.data_ptr())
+                    total += tensor.numel() * tensor.element_size()
                 break
+        else:
+            total += module.packed_bytes() if callable(getattr(module, "packed_bytes", None)) else 0
     return total
 
 
