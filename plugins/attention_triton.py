@@ -62,7 +62,9 @@ def _build_kernel():
             col_ok = cols < N
             k = tl.load(k_ptr + b * sk_b + kv_h * sk_h + cols[:, None] * sk_n + dims[None, :],
                         mask=col_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * scale
+            # "ieee": no rounding of the fp32 operands to TF32 on tensor cores (Ampere and later round by default),
+            # so attention stays within fp32 rounding of the reference.
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             if SOFTCAP:
                 s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
             ok = col_ok[None, :] & (cols[None, :] >= first)
@@ -78,7 +80,7 @@ def _build_kernel():
             v = tl.load(v_ptr + b * sv_b + kv_h * sv_h + cols[:, None] * sv_n + dims[None, :],
                         mask=col_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_m + dims[None, :],

@@ -162,16 +162,20 @@ def _cpp_compiler() -> str | None:
         return shutil.which("g++") or shutil.which("clang++")
 
 
-@hookimpl
+@hookimpl(trylast=True)  # every other plugin's choice first; the core's plain ranking after this
 def hf_accel_select_backend(feature: str, candidates: tuple[Backend, ...], context: PatchContext) -> Backend | None:
     """``auto`` attention, when this step will compile the decode steps: the best candidate that takes padded
     masks. A flash-style kernel ranks higher on CUDA but would leave the model with no compiled step, and for the
-    one-token decode steps that dominate generation the step (CUDA graphs, fused code) outweighs the kernel."""
-    if feature != "attention" or context.state.arguments.get("compile") not in ("auto", True, "inductor"):
+    one-token decode steps that dominate generation the step (CUDA graphs, fused code) outweighs the kernel. Not
+    a reference implementation (priority 0 or less: ``eager``), whose N x N scores would replace the flash
+    kernel's memory use at long prompts; not when the user chose the KV cache, which the step may not serve."""
+    arguments = context.state.arguments
+    if feature != "attention" or arguments.get("compile") not in ("auto", True, "inductor"):
         return None
-    if why_unavailable() or _model_problem(context):
-        return None  # no step to keep: the plain ranking stands
-    return next((candidate for candidate in candidates if candidate.capabilities.padded_masks), None)
+    if arguments.get("kv_cache") not in ("auto", True, None, False) or why_unavailable() or _model_problem(context):
+        return None  # no step to keep, or one that may not come: the plain ranking stands
+    padded = next((candidate for candidate in candidates if candidate.capabilities.padded_masks), None)
+    return padded if padded is not None and padded.priority > 0 else None
 
 
 @hookimpl

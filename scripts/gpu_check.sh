@@ -14,19 +14,25 @@
 #                                    (prepare into a temporary folder, install, doctor, test collection, a 4-token
 #                                    CPU bench). tests/test_gpu_check.py runs it, so the script cannot rot.
 #
-# Options: --model DIR (a model directory or .gguf instead of .gpu_check/model), --max-new-tokens N (default 128).
-# Logs, bench.json and gpu_check.md go to $OUT (set by the device tool; else a temporary folder).
+# Options: --model DIR (a model directory or .gguf instead of .gpu_check/model), --max-new-tokens N (default 128),
+# --seconds N (default 560: every step's limit shrinks to what is left of it, so the table is printed before the
+# device tool's 600 s limit ends the command). PYTHON: the interpreter (default: this checkout's .venv if there is
+# one, else python3). Logs, bench.json and gpu_check.md go to $OUT (set by the device tool; else a temporary
+# folder): 8 files, the most a device run gives back.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PYTHON=${PYTHON:-python3}
-DRY=0 PREPARE=0 MODEL="" NEW_TOKENS=128
+DEFAULT_PYTHON=python3
+[ -x "$ROOT/.venv/bin/python" ] && DEFAULT_PYTHON=$ROOT/.venv/bin/python
+PYTHON=${PYTHON:-$DEFAULT_PYTHON}
+DRY=0 PREPARE=0 MODEL="" NEW_TOKENS=128 SECONDS_IN_ALL=560
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=1 ;;
         --prepare) PREPARE=1 ;;
         --model) MODEL=${2:?--model needs a directory or .gguf file}; shift ;;
         --max-new-tokens) NEW_TOKENS=${2:?--max-new-tokens needs a number}; shift ;;
+        --seconds) SECONDS_IN_ALL=${2:?--seconds needs a number}; shift ;;
         -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
@@ -38,11 +44,13 @@ WORK=$(mktemp -d -t gpu_check_work.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 ROWS=()
 FAILED=0
+DEADLINE=$(( $(date +%s) + SECONDS_IN_ALL ))
 
-# step NAME GPU|CPU SECONDS COMMAND...: run COMMAND (its output to NAME.log and the terminal) within SECONDS, and
-# note how it went. With --dry-run a GPU step is only listed.
+# step NAME GPU|CPU SECONDS COMMAND...: run COMMAND (its output to NAME.log and the terminal) within SECONDS, or
+# what is left before the deadline, and note how it went (with pytest's counts, where it printed them). With
+# --dry-run a GPU step is only listed.
 step() {
-    local name=$1 needs=$2 limit=$3 start result
+    local name=$1 needs=$2 limit=$3 start result counts
     shift 3
     echo "== $name ($needs): $*"
     if [ "$DRY" = 1 ] && [ "$needs" = GPU ]; then
@@ -50,14 +58,22 @@ step() {
         return 0
     fi
     start=$(date +%s)
-    timeout --kill-after=10 "$limit" bash -c '"$@"' "$name" "$@" 2>&1 | tee "$LOGS/$name.log"
+    [ $(( DEADLINE - start - 10 )) -lt "$limit" ] && limit=$(( DEADLINE - start - 10 ))
+    if [ "$limit" -lt 5 ]; then
+        ROWS+=("| $name | $needs | not run: out of time (--seconds $SECONDS_IN_ALL) | - |")
+        FAILED=1
+        return 0
+    fi
+    timeout --kill-after=5 "$limit" bash -c '"$@"' "$name" "$@" 2>&1 | tee "$LOGS/$name.log"
     local status=${PIPESTATUS[0]}
     case "$status" in
         0) result=passed ;;
         124|137) result="timed out after ${limit} s"; FAILED=1 ;;
         *) result="failed (exit $status, see $name.log)"; FAILED=1 ;;
     esac
-    ROWS+=("| $name | $needs | $result | $(( $(date +%s) - start )) |")
+    counts=$(grep -E '^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected|tests? collected)' "$LOGS/$name.log" \
+        | tail -1 | sed -E 's/^=+ //; s/ =+$//')
+    ROWS+=("| $name | $needs | $result${counts:+: $counts} | $(( $(date +%s) - start )) |")
 }
 
 prepare_model() {  # the embedded model's config, generation config and tokenizer, into $1
@@ -104,12 +120,18 @@ fi
 
 CUDA_TESTS=("$ROOT/tests/test_cuda.py" "$ROOT/tests/test_conformance.py::TestTritonFlash")
 BENCH=(bench --random-weights --json "$LOGS/bench.json")
+# stock, each feature alone, the compiled step, patch(model); then the compiled step against triton_flash, both
+# without speculation (random weights make greedy text repetitive, which flatters speculation)
+BENCH_CONFIGS="hf_accel attention only,hf_accel kv_cache only,hf_accel speculative only,hf_accel kv_cache + compile"
+BENCH_CONFIGS+=",hf_accel patch("
 if [ "$DRY" = 1 ]; then
     step prepare CPU 300 prepare_model "$WORK/model"
     MODEL=${MODEL:-$WORK/model}
 else
     MODEL=${MODEL:-$ROOT/.gpu_check/model}
     [ -e "$MODEL" ] || { echo "gpu_check.sh: no model at $MODEL: run scripts/gpu_check.sh --prepare first" >&2; exit 2; }
+    "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' \
+        || { echo "gpu_check.sh: $PYTHON's torch sees no CUDA device: use --dry-run on a machine without one" >&2; exit 2; }
 fi
 
 step environment CPU 60 environment
@@ -118,23 +140,22 @@ export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$WORK" || exit 1  # not the checkout, whose hf_accel would shadow the installed one
 step doctor CPU 120 "$PYTHON" -m hf_accel.tools.cli doctor
 step collect-tests CPU 120 "$PYTHON" -m pytest -q -p no:cacheprovider --collect-only "${CUDA_TESTS[@]}"
-step cuda-tests GPU 240 "$PYTHON" -m pytest -q -p no:cacheprovider -x -n 4 "${CUDA_TESTS[@]}"
+step cuda-tests GPU 200 "$PYTHON" -m pytest -q -p no:cacheprovider -n 4 "${CUDA_TESTS[@]}"
 if [ "$DRY" = 1 ]; then
     step cpu-bench CPU 300 "$PYTHON" -m hf_accel.tools.cli "${BENCH[@]}" --model "$MODEL" --max-new-tokens 4 \
-        --configs "attention only"
+        --configs "hf_accel attention only"
 fi
 step bench GPU 330 "$PYTHON" -m hf_accel.tools.cli "${BENCH[@]}" --model "$MODEL" --device cuda --dtype bfloat16 \
-    --max-new-tokens "$NEW_TOKENS" --configs "only,compile,patch(" --patch "attention=triton_flash,compile=None" \
-    --patch "attention=triton_flash,compile=None,speculative=None"
+    --max-new-tokens "$NEW_TOKENS" --configs "$BENCH_CONFIGS" --patch speculative=None \
+    --patch "attention=triton_flash,compile=None,speculative=None" --patch "attention=triton_flash,compile=None"
 
 {
     echo "| step | needs | result | seconds |"
     echo "| --- | --- | --- | --- |"
     printf '%s\n' "${ROWS[@]}"
-    if [ -s "$LOGS/bench.log" ]; then
-        echo
-        sed -n '/^| config | mean tok\/s/,/^$/p' "$LOGS/bench.log"
-    fi
+    for log in "$LOGS/bench.log" "$LOGS/cpu-bench.log"; do
+        [ -s "$log" ] && { echo; sed -n '/^| config | mean tok\/s/,/^$/p' "$log"; break; }
+    done
 } | tee "$LOGS/gpu_check.md"
 echo "logs: $LOGS"
 exit "$FAILED"

@@ -91,9 +91,24 @@ def test_on_cpu_the_default_dispatch_picks_the_flash_kernel_sdpa_flash_relies_on
 def test_auto_attention_keeps_the_compiled_step_over_a_flash_style_kernel(reference_kernels, llama):
     """flash_attn outranks sdpa_flash, but its unpadded inputs would leave the decode step uncompiled (as on CUDA,
     where triton_flash and flash_attn are available): with the step wanted, auto picks sdpa_flash."""
+    from hf_accel_plugins import compile_inductor
+
+    if compile_inductor._cpp_compiler() is None:
+        pytest.skip("no C++ compiler: inductor cannot compile here, so there is no step to keep")
     hf_accel.patch(llama, speculative=None)
     chosen = hf_accel.report(llama).features
     assert (chosen["attention"].backend, chosen["compile"].backend) == ("sdpa_flash", "inductor")
     hf_accel.unpatch(llama)
     hf_accel.patch(llama, compile=None, speculative=None)
     assert hf_accel.report(llama).features["attention"].backend == "flash_attn"  # no step to keep: plain ranking
+    hf_accel.unpatch(llama)
+    hf_accel.patch(llama, kv_cache="static-int8", speculative=None)
+    assert hf_accel.report(llama).features["attention"].backend == "flash_attn"  # a cache the step refuses
+
+
+def test_auto_attention_does_not_trade_a_flash_kernel_for_the_reference_one(reference_kernels):
+    """gemma2 soft-caps its attention logits, which the sdpa family cannot: eager is the one padded-mask
+    candidate left, and the flash kernel keeps its place (no N x N scores at long prompts)."""
+    model = make_tiny_model("gemma2")
+    hf_accel.patch(model, speculative=None)
+    assert hf_accel.report(model).features["attention"].backend == "flash_attn"

@@ -215,6 +215,16 @@ def test_against_llama_cpp_without_the_package_names_the_install(monkeypatch, ca
     assert "pip install llama-cpp-python" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--device", "gpu0"], "--device 'gpu0' is not a device: pass cpu, cuda or cuda:N"),
+    (["bench", "--random-weights", "--against", "llama.cpp"], "cannot be set against --random-weights"),
+    (["bench-step", "--device", "cuda"], "bench-step profiles CPU kernels"),
+])
+def test_bench_device_and_random_weights_errors(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_bench_device_without_cuda_says_so(capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
@@ -222,16 +232,28 @@ def test_bench_device_without_cuda_says_so(capsys):
     assert "--device cuda: this PyTorch sees no CUDA device; pass --device cpu" in capsys.readouterr().err
 
 
+def test_bench_skips_a_configuration_that_cannot_run_and_keeps_the_others(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert main(["bench", "--model", str(tiny_model_dir), "--max-new-tokens", "3", "--configs", "attention only,triton",
+                 "--patch", "attention=triton_flash", "--json", str(out)]) == 0
+    assert {r["config"] for r in json.loads(out.read_text())} == {"stock", "hf_accel attention only"}
+    assert "hf_accel patch(attention=triton_flash): skipped: attention='triton_flash' cannot run here" in (
+        capsys.readouterr().err)
+
+
 def test_random_weights_keep_the_architecture_config_and_tokenizer_not_the_weights(tiny_model_dir):
     from hf_accel.tools.models import load_model
 
-    saved, tokenizer = load_model(tiny_model_dir)
+    saved, tokenizer = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    state = torch.random.get_rng_state()
     random, random_tokenizer = load_model(tiny_model_dir, random_weights=True, dtype=torch.bfloat16)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is untouched
     again, _ = load_model(tiny_model_dir, random_weights=True, dtype=torch.bfloat16)
     assert type(random) is type(saved) and random.config.to_diff_dict() | {"dtype": None} == (
         saved.config.to_diff_dict() | {"dtype": None})
     assert random_tokenizer.get_vocab() == tokenizer.get_vocab()
-    weights = dict(random.named_parameters())
-    assert all(p.dtype == torch.bfloat16 for p in weights.values())
-    assert any(not torch.equal(p.float(), weights[n].float()) for n, p in saved.named_parameters())  # not the saved
+    weights, saved_weights = dict(random.named_parameters()), dict(saved.named_parameters())
+    assert weights.keys() == saved_weights.keys() and all(p.dtype == torch.bfloat16 for p in weights.values())
+    differ = [n for n, p in weights.items() if p.dim() == 2 and not torch.equal(p, saved_weights[n])]
+    assert len(differ) == sum(p.dim() == 2 for p in weights.values())  # every matrix drawn anew, none read
     assert all(torch.equal(p, dict(again.named_parameters())[n]) for n, p in weights.items())  # seeded

@@ -21,8 +21,8 @@ def run_script(*arguments: str, out: Path, timeout: float = 600) -> subprocess.C
 
 
 def steps_table(text: str) -> dict[str, tuple[str, str]]:
-    """The final table's rows: step -> (needs, result)."""
-    rows = re.findall(r"^\| ([\w-]+) \| (CPU|GPU) \| ([^|]+) \| [^|]+ \|$", text, re.MULTILINE)
+    """The final table's rows: step -> (needs, result without pytest's counts)."""
+    rows = re.findall(r"^\| ([\w-]+) \| (CPU|GPU) \| ([^|:]+)[^|]* \| [^|]+ \|$", text, re.MULTILINE)
     return {name: (needs, result.strip()) for name, needs, result in rows}
 
 
@@ -42,6 +42,9 @@ def test_dry_run_lists_every_step_and_runs_those_that_need_no_gpu(tmp_path):
     bench = (tmp_path / "cpu-bench.log").read_text()
     assert re.search(r"^\| stock \| [\d.]+ \| 1\.00x \| 4/4 \|", bench, re.MULTILINE)
     assert re.search(r"^\| hf_accel attention only \| [\d.]+ \| [\d.]+x \| 4/4 \|", bench, re.MULTILINE)
+    summary = (tmp_path / "gpu_check.md").read_text()
+    assert re.search(r"^\| stock \| [\d.]+ \| 1\.00x \| 4/4 \|", summary, re.MULTILINE)  # the bench's table ends it
+    assert re.search(r"^\| collect-tests \| CPU \| passed: \d+ tests collected", summary, re.MULTILINE)
     gpu_lines = [line for line in result.stdout.splitlines() if line.startswith("== ") and "(GPU)" in line]
     assert "--device cuda --dtype bfloat16" in gpu_lines[1] and "test_cuda.py" in gpu_lines[0]
 

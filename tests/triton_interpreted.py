@@ -19,9 +19,10 @@ from hf_accel_plugins.attention_triton import triton_attention
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
-def test_kernel_matches_reference(case):
-    check_kernel_case(triton_attention, case)
+def test_kernel_matches_reference(case, dtype, tolerance):
+    check_kernel_case(triton_attention, case, dtype=dtype, tolerance=tolerance)
 
 
 # Grouped-query attention with a sliding window and soft-capping (gemma2), with a window alone (mistral), and
@@ -49,6 +50,6 @@ def test_greedy_generate_is_token_identical():
     model = make_tiny_model("mistral")
     ids, mask = left_padded_batch(model, (23, 9, 14))
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    hf_accel.patch(model, attention="triton_flash", speculative=None)  # chunks: the chunk-over-cache kernel case
+    hf_accel.patch(model, attention="triton_flash", speculative=None)  # verification chunks: kernel case only
     assert hf_accel.report(model)["attention"].backend == "triton_flash"
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False), expected)

@@ -168,7 +168,6 @@ def report_backend_problem(plugin: str, error: BaseException, skipped: str = "")
 
 def _create_plugin_manager(discovery: Discovery) -> pluggy.PluginManager:
     pm = _new_manager(discovery.filters.trace)
-    pm.register(CoreHooks(), name=CORE_PLUGIN)
     installed = list(entry_points(group=ENTRY_POINT_GROUP))
     _warn_of_unknown_names(discovery, installed)
     for ep in installed:
@@ -178,6 +177,9 @@ def _create_plugin_manager(discovery: Discovery) -> pluggy.PluginManager:
         else:
             discovery.left_out.append(ep.name)
             logger.debug("hf_accel: plugin %s left out by %s / %s", ep.name, LOAD_VARIABLE, DISABLE_VARIABLE)
+    # Last: of the trylast implementations, pluggy calls the last registered last, so the core's come after any
+    # plugin's, trylast ones included (a plugin's fallback choice still precedes the core's plain ranking).
+    pm.register(CoreHooks(), name=CORE_PLUGIN)
     return pm
 
 

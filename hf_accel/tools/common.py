@@ -44,8 +44,15 @@ def load_from_args(args: argparse.Namespace):
     """The model and tokenizer ``--model``/``--gguf-file`` name, else the embedded default, on ``--device`` in
     ``--dtype``, with random weights if ``--random-weights``."""
     device = getattr(args, "device", "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise CLIError(f"--device {device!r} is not a device: pass cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
         raise CLIError(f"--device {device}: this PyTorch sees no CUDA device; pass --device cpu")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                       f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     settings = {"dtype": DTYPES[getattr(args, "dtype", "float32")], "device": device,
                 "random_weights": getattr(args, "random_weights", False)}
     if args.model is None:

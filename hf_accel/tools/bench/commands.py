@@ -52,6 +52,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.configs:
         wanted = [w.strip() for w in args.configs.split(",")]
         configs = [c for c in configs if c.group == "stock" or any(w in c.name for w in wanted)]
+    if args.against and args.random_weights:
+        raise CLIError("--against llama.cpp runs the GGUF's real weights: it cannot be set against --random-weights")
     gguf = gguf_path(args) if args.against else None
     model, tokenizer = load_from_args(args)
     bar = tqdm(total=(len(configs) + bool(gguf)) * len(prompts), desc="bench", unit="run")
@@ -219,6 +221,8 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
 
     if min(args.context, args.chunk, args.steps) < 1:
         raise CLIError("--context, --chunk and --steps must be at least 1")
+    if args.device != "cpu":
+        raise CLIError(f"--device {args.device}: bench-step profiles CPU kernels; time a GPU with hf-accel bench")
     schemes = [q.strip() for q in args.quantize.split(",") if q.strip()]
     for scheme in schemes:
         check_arguments(quantize=scheme)

@@ -10,6 +10,7 @@ script meets it, is ``hf-accel bench --cold`` (:mod:`hf_accel.tools.bench.cold`)
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from hf_accel import patch, report, unpatch
+from hf_accel import PatchError, patch, report, unpatch
 from hf_accel.patching.features import FEATURE_NAMES
 from hf_accel.plugin.quantize import tensor_bytes
 from hf_accel.tools.prompts import Prompt, encode_chat
@@ -129,7 +130,13 @@ def run_bench(model, tokenizer, prompts: list[Prompt], configs: list[BenchConfig
     with ratios and identity to stock filled in. ``perplexity``: measure it for stock and quantized
     configurations (it means nothing for random weights)."""
     session = BenchSession(model, tokenizer, prompts, max_new_tokens, repeat, progress, measure_quality=perplexity)
-    rows = [row for config in configs for row in session.run(config)]
+    rows = []
+    for config in configs:
+        try:
+            rows += session.run(config)
+        except PatchError as exc:  # one configuration that cannot run here costs its rows, not the others'
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            print(f"{config.name}: skipped: {first_line}", file=sys.stderr)
     if llama_cpp_gguf is not None:
         rows += run_llama_cpp(llama_cpp_gguf, session.encoded, prompts, max_new_tokens, repeat, session.stock_tokens,
                               progress)
