@@ -1,5 +1,5 @@
-"""``hf-accel bench --cold``: the break-even fit, identity to stock, the tables, bad arguments.
-(One real fresh-process run is in the slow SmolLM2 group.)"""
+"""``hf-accel bench --cold``: the break-even fit, identity to stock, the tables, bad arguments, and one real
+fresh-process run (of a tiny model: SmolLM2's, memory included, is ``--memory``'s test in the slow group)."""
 
 from __future__ import annotations
 
@@ -77,3 +77,11 @@ def test_the_memory_table_sets_each_peak_against_stocks_and_the_first_call():
     assert "load peak MiB" in rows["config"]
     assert rows["stock"][:5] == ["stock", "1200", "990", "1010", "1050"]
     assert rows["patch(model)"][4:] == ["1260", "1.20x", "1.05x", "1260", "1.05x", "+230"]
+
+
+def test_a_fresh_process_runs_the_users_script_patched_and_times_it_from_the_inside(tiny_model_dir):
+    spec = {"model_dir": str(tiny_model_dir), "gguf_file": None, "prompt": "w1 w2 w3 w1 w2", "max_new_tokens": 6,
+            "patch": {}}
+    result = bench_cold.run_worker(spec, {})
+    assert result["tokens"] == len(result["token_ids"]) and 1 <= result["tokens"] <= 6
+    assert result["patch_s"] > 0 and 0 < result["ttft_s"] <= result["generate_s"] < result["in_process_s"]

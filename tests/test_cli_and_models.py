@@ -48,24 +48,6 @@ def test_bad_prompts_file_says_which_line(tmp_path, content, message):
         load_prompts(path)
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """A tiny llama and a word-level tokenizer saved as a local model directory."""
-    from conftest import VOCAB, make_tiny_model
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny")
-    words = ["[UNK]", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", bos_token="<s>",
-                                        eos_token="</s>", pad_token="[UNK]")
-    tokenizer.save_pretrained(path)
-    make_tiny_model("llama").save_pretrained(path)
-    return path
-
-
 def test_bench_runs_side_by_side_and_writes_json(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "rows.json"
     code = main(["bench", "--model", str(tiny_model_dir), "--max-new-tokens", "6", "--repeat", "2",
@@ -156,7 +138,7 @@ def test_generate_streams_and_reports(tiny_model_dir, capsys):
 def test_bench_plot_writes_a_png(tiny_model_dir, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "bench.png"
-    assert main(["bench", "--model", str(tiny_model_dir), "--max-new-tokens", "3", "--configs", "patch(model)",
+    assert main(["bench", "--model", str(tiny_model_dir), "--max-new-tokens", "3", "--configs", "kv_cache only",
                  "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

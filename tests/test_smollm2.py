@@ -110,7 +110,7 @@ def test_eager_static_cache_equals_stock(smollm2):
 
 def test_compiled_decode_step_equals_stock_and_does_not_recompile(smollm2):
     model, tokenizer = smollm2
-    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()]
+    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()[::2]]  # a short chat, a long text
     expected = [greedy(model, x, 40 + 8 * i) for i, x in enumerate(inputs)]
     hf_accel.patch(model, kv_cache="static", compile="inductor", speculative=None, compile_when="first_use")
     try:
@@ -140,19 +140,6 @@ def test_int4_with_embeddings_and_head_meets_its_memory_and_quality_targets(smol
         assert perplexity(model, tokenizer) <= 1.10 * fp32
     finally:
         hf_accel.unpatch(model)
-
-
-def test_a_cold_bench_run_reports_its_timings_and_tokens():
-    """One fresh process of ``hf-accel bench --cold``: the user's script, patched, timed from the inside."""
-    from hf_accel.tools.bench.cold import run_worker
-    from hf_accel.tools.models import default_model_file
-
-    gguf = default_model_file()
-    spec = {"model_dir": str(gguf.parent), "gguf_file": gguf.name, "prompt": "Say hello.", "max_new_tokens": 6,
-            "patch": {}}
-    result = run_worker(spec, {})
-    assert result["tokens"] == len(result["token_ids"]) and 1 <= result["tokens"] <= 6
-    assert result["patch_s"] > 0 and 0 < result["ttft_s"] <= result["generate_s"] < result["in_process_s"]
 
 
 def test_model_card_style_settings_and_stop_strings_keep_speculation_and_stocks_tokens(smollm2):
