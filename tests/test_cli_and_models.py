@@ -239,3 +239,20 @@ def test_random_weights_keep_the_architecture_config_and_tokenizer_not_the_weigh
     differ = [n for n, p in weights.items() if p.dim() == 2 and not torch.equal(p, saved_weights[n])]
     assert len(differ) == sum(p.dim() == 2 for p in weights.values())  # every matrix drawn anew, none read
     assert all(torch.equal(p, dict(again.named_parameters())[n]) for n, p in weights.items())  # seeded
+
+
+def test_the_demo_table_charges_a_call_the_seconds_it_spent_compiling():
+    from hf_accel.tools.cli import demo_table
+    from hf_accel.tools.prompts import Prompt
+    from hf_accel.tools.timing import Timed
+
+    prompts = [Prompt("chat", "a", "hi"), Prompt("code", "b", "write")]
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    stock = [Timed(tokens, 1.0, 0.1), Timed(tokens, 1.0, 0.1)]
+    patched = [Timed(tokens, 0.5, 0.1), Timed(torch.tensor([[1, 2, 3, 5]]), 4.0, 0.1)]
+    lines = demo_table(prompts, stock, patched, [0.0, 3.2]).splitlines()
+    assert lines[0].split() == ["prompt", "stock", "tok/s", "patched", "tok/s", "speedup", "identical", "compiling",
+                                "s"]
+    assert lines[1].split() == ["chat/a", "4.0", "8.0", "2.00x", "yes", "-"]
+    assert lines[2].split() == ["code/b", "4.0", "1.0", "0.25x", "NO", "3.2"]
+    assert "charged for it" in lines[3]

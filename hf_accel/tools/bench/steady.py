@@ -183,7 +183,7 @@ class BenchSession:
             peak = rss_mb()
             measured = self.measure_quality and (config.group == "stock" or _quantized(config))
             quality = _quality(self.model, self.tokenizer) if measured else (None, None)
-            compile_s = _compile_seconds(self.model) if config.patch_kwargs is not None else None
+            compile_s = compile_seconds(self.model) if config.patch_kwargs is not None else None
             for row in rows:
                 row.peak_rss_mb, (row.perplexity, row.weight_mb), row.compile_s = peak, quality, compile_s
         finally:
@@ -263,7 +263,7 @@ def _prompt_length(inputs: dict[str, torch.Tensor]) -> int:
     return inputs["input_ids"].shape[-1]
 
 
-def _compile_seconds(model) -> float | None:
+def compile_seconds(model) -> float | None:
     """Time spent compiling: stock generate's decode step and the speculative loop's forwards."""
     details = report(model)
     seconds = [details["compile"].details.get("compile_seconds")]
