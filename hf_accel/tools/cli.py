@@ -14,7 +14,7 @@ from hf_accel import __version__, available_backends, check_arguments, patch, re
 from hf_accel.patching.errors import PatchError
 from hf_accel.patching.plugin_manager import plugin_problems
 from hf_accel.tools.bench.commands import cmd_bench, cmd_bench_attention, cmd_bench_step, cmd_identity
-from hf_accel.tools.common import CLIError, add_model_arguments, load_from_args
+from hf_accel.tools.common import CLIError, add_model_arguments, error_lines, load_from_args
 from hf_accel.tools.models import ModelNotFoundError, load_default_model
 from hf_accel.tools.plugins import cmd_plugins
 from hf_accel.tools.prompts import encode_chat, load_prompts, one_per_category
@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CLIError, ModelNotFoundError, ValueError, PatchError) as exc:
         if args.verbose:
             raise
-        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        lines = error_lines(exc)
         more = " (more with -v)" if len(lines) > 1 else ""
         print(f"hf-accel {args.command}: error: {lines[0]}{more}", file=sys.stderr)
         return 2

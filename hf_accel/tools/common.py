@@ -8,11 +8,17 @@ from pathlib import Path
 
 import torch
 
-from hf_accel.tools.models import default_model_file, load_model
+from hf_accel.tools.models import default_model_file, load_default_model, load_model
 
 
 class CLIError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
+
+
+def error_lines(exc: BaseException) -> list[str]:
+    """An error's message as lines (its type's name where it has none): the first is what a table or a one-line
+    error shows."""
+    return str(exc).strip().splitlines() or [type(exc).__name__]
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +49,7 @@ def gguf_path(args: argparse.Namespace) -> Path:
 def load_from_args(args: argparse.Namespace):
     """The model and tokenizer ``--model``/``--gguf-file`` name, else the embedded default, on ``--device`` in
     ``--dtype``, with random weights if ``--random-weights``."""
-    device = getattr(args, "device", "cpu")
+    device = args.device
     try:
         parsed = torch.device(device)
     except RuntimeError:
@@ -53,11 +59,9 @@ def load_from_args(args: argparse.Namespace):
     if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
         raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
                        f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    settings = {"dtype": DTYPES[getattr(args, "dtype", "float32")], "device": device,
-                "random_weights": getattr(args, "random_weights", False)}
+    settings = {"dtype": DTYPES[args.dtype], "device": device, "random_weights": args.random_weights}
     if args.model is None:
-        gguf = default_model_file()
-        return load_model(gguf.parent, gguf_file=gguf.name, **settings)
+        return load_default_model(**settings)
     return load_model(args.model, gguf_file=args.gguf_file, **settings)
 
 

@@ -77,7 +77,8 @@ def load_model(path: str | os.PathLike, gguf_file: str | None = None, dtype: tor
     return model, tokenizer
 
 
-def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                       random_weights: bool = False):
     """SmolLM2-135M-Instruct (a Llama-architecture model) and its tokenizer, dequantized to ``dtype``.
 
     Example::
@@ -88,7 +89,7 @@ def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.d
     """
     gguf = default_model_file()
     logger.info("loading the default model from %s", gguf)
-    return load_model(gguf.parent, gguf_file=gguf.name, dtype=dtype, device=device)
+    return load_model(gguf.parent, gguf_file=gguf.name, dtype=dtype, device=device, random_weights=random_weights)
 
 
 def _read_generation_config(model, path: Path) -> None:

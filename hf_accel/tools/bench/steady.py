@@ -21,6 +21,7 @@ import torch
 from hf_accel import PatchError, patch, report, unpatch
 from hf_accel.patching.features import FEATURE_NAMES
 from hf_accel.plugin.quantize import tensor_bytes
+from hf_accel.tools.common import error_lines
 from hf_accel.tools.prompts import Prompt, encode_chat
 from hf_accel.tools.quality import perplexity
 from hf_accel.tools.timing import timed_generate
@@ -135,8 +136,7 @@ def run_bench(model, tokenizer, prompts: list[Prompt], configs: list[BenchConfig
         try:
             rows += session.run(config)
         except PatchError as exc:  # one configuration that cannot run here costs its rows, not the others'
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            print(f"{config.name}: skipped: {first_line}", file=sys.stderr)
+            print(f"{config.name}: skipped: {error_lines(exc)[0]}", file=sys.stderr)
     if llama_cpp_gguf is not None:
         rows += run_llama_cpp(llama_cpp_gguf, session.encoded, prompts, max_new_tokens, repeat, session.stock_tokens,
                               progress)
