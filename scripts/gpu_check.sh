@@ -154,7 +154,7 @@ step bench GPU 330 "$PYTHON" -m hf_accel.tools.cli "${BENCH[@]}" --model "$MODEL
     echo "| --- | --- | --- | --- |"
     printf '%s\n' "${ROWS[@]}"
     for log in "$LOGS/bench.log" "$LOGS/cpu-bench.log"; do
-        [ -s "$log" ] && { echo; sed -n '/^| config | mean tok\/s/,/^$/p' "$log"; break; }
+        [ -s "$log" ] && { echo; sed -n '/^| config | mean tok\/s/,/^$/p' "$log"; grep '^machine: ' "$log"; break; }
     done
 } | tee "$LOGS/gpu_check.md"
 echo "logs: $LOGS"

@@ -19,6 +19,7 @@ def test_doctor_lists_backends_and_exits_zero(capsys):
     out = capsys.readouterr().out
     assert "torch" in out and "transformers" in out
     assert "sdpa" in out and "attention_transformers" in out
+    assert f"kernels {torch.backends.cpu.get_cpu_capability()}" in out  # AVX2 and AVX-512 machines time apart
 
 
 def test_generate_with_missing_model_path_fails_clearly(tmp_path, capsys):
@@ -62,6 +63,7 @@ def test_bench_runs_side_by_side_and_writes_json(tiny_model_dir, tmp_path, capsy
     assert {r["prompt_category"] for r in rows} == set(CATEGORIES)
     printed = capsys.readouterr().out
     assert "speedup (geo-mean)" in printed and "hf_accel patch(model)" in printed
+    assert printed.rstrip().splitlines()[-1].startswith("machine: ")  # the table says what it was measured on
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,9 +1,12 @@
-"""What the ``hf-accel`` command's subcommands share: the one-line error, and the model they load."""
+"""What the ``hf-accel`` command's subcommands share: the one-line error, the model they load, and the line that
+says which machine a table was measured on."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import platform
 from pathlib import Path
 
 import torch
@@ -19,6 +22,37 @@ def error_lines(exc: BaseException) -> list[str]:
     """An error's message as lines (its type's name where it has none): the first is what a table or a one-line
     error shows."""
     return str(exc).strip().splitlines() or [type(exc).__name__]
+
+
+def machine_line() -> str:
+    """The machine a measurement ran on, in one line: CPU, cores, torch's threads and the vector instructions
+    its CPU kernels use, GPUs, library versions. The same code measures about 2x apart on AVX-512 and AVX2
+    machines of one cloud type (int4 products,
+    compiled code, llama.cpp: measured up to ~2x), so every table says which it was.
+
+    Example::
+
+        >>> machine_line()  # doctest: +SKIP
+        'machine: AMD EPYC, 2 cores, 2 torch threads, CPU kernels AVX2, torch 2.13.0+cpu, transformers 5.24.0'
+    """
+    import transformers
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    parts = [cpu_name(), f"{os.cpu_count()} cores", f"{torch.get_num_threads()} torch threads",
+             f"CPU kernels {torch.backends.cpu.get_cpu_capability()}", *gpus,
+             f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
+    return "machine: " + ", ".join(parts)
+
+
+def cpu_name() -> str:
+    """The CPU's model name as the OS reports it (``/proc/cpuinfo`` on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -12,12 +12,18 @@ from typing import Any
 import torch
 
 from hf_accel import BackendUnavailableError, available_backends, check_arguments, patch, report, unpatch
-from hf_accel.tools.common import CLIError, gguf_path, load_from_args, only_default_model_settings
+from hf_accel.tools.common import CLIError, gguf_path, load_from_args, machine_line, only_default_model_settings
 from hf_accel.tools.models import default_model_file
 from hf_accel.tools.prompts import load_prompts, one_per_category
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    status = run_bench_command(args)
+    print(f"\n{machine_line()}")
+    return status
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from hf_accel.tools.bench.steady import default_configs, run_bench
@@ -257,6 +263,7 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
         finally:
             unpatch(model)
     print(format_step_table(rows, memory_read_gb_s()))
+    print(machine_line())
     return 0
 
 
