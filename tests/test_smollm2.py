@@ -28,6 +28,23 @@ def test_default_model_is_the_embedded_smollm2(smollm2):
     assert model.dtype == torch.float32 and tokenizer.eos_token_id is not None
 
 
+def test_the_gguf_is_converted_once_and_later_loads_read_the_copy(smollm2):
+    from conftest import assert_same_state
+
+    from hf_accel.tools.converted import ConvertedModels
+    from hf_accel.tools.models import default_model_file, load_default_model
+
+    model, tokenizer = smollm2
+    store = ConvertedModels()
+    assert store.path_for(default_model_file(), torch.float32) in store.entries()  # kept by the session's first load
+    again, again_tokenizer = load_default_model()
+    assert_same_state(model.state_dict(), again.state_dict())
+    assert again.config.to_dict() == model.config.to_dict()  # the GGUF quantization entry and the name included
+    assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()  # tied, as the GGUF's
+    prompt = first_of_each_category()[2].prompt
+    assert torch.equal(encode_chat(again_tokenizer, prompt)["input_ids"], encode_chat(tokenizer, prompt)["input_ids"])
+
+
 def test_patched_greedy_output_equals_stock_on_a_prompt_of_each_category(smollm2):
     """chat, code, summarize a quoted passage, edit a quoted code block, 64 tokens each (all 54 prompts, alone and
     in batches: `hf-accel identity`, docs/benchmarks.md)."""

@@ -110,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="patch() arguments (default: patch(model))")
     identity.set_defaults(func=cmd_identity)
 
-    cache = sub.add_parser("cache", help="the compile cache: what it holds (info), or empty it (clear)")
+    cache = sub.add_parser("cache", help="the compile cache and converted GGUF models: what they hold (info), "
+                                          "or empty them (clear)")
     cache.add_argument("action", choices=["info", "clear"])
     cache.add_argument("--dir", help="the cache directory (default: HF_ACCEL_CACHE, else ~/.cache/hf_accel)")
     cache.set_defaults(func=cmd_cache)
@@ -226,11 +227,13 @@ def demo_table(prompts, stock, patched, compiling: list[float]) -> str:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     from hf_accel.runtime.compile_cache import CompileStore
+    from hf_accel.tools.converted import ConvertedModels
 
-    store = CompileStore(args.dir)
+    store, models = CompileStore(args.dir), ConvertedModels(args.dir)
     if args.action == "clear":
         freed = store.clear()
         print(f"emptied {store.directory} ({freed / 2**20:.1f} MB freed)")
+        print(f"emptied {models.directory} ({models.clear() / 2**20:.1f} MB freed)")
         return 0
     entries = store.entries()
     print(f"hf_accel compile cache: {store.directory}  ({len(entries)} entries, {store.size_bytes() / 2**20:.1f} MB)")
@@ -241,6 +244,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
         for row in rows:
             print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     print(f"compiled code: {store.code_directory} (the compiler's own cache, used for hf_accel's compiles only)")
+    copies = models.entries()
+    print(f"converted GGUF models: {models.directory}  ({len(copies)} copies, {models.size_bytes() / 2**20:.1f} MB)")
+    for copy in copies:
+        print(f"  {copy.name}")
     return 0
 
 

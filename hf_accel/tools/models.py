@@ -60,6 +60,8 @@ def load_model(path: str | os.PathLike, gguf_file: str | None = None, dtype: tor
         raise ModelNotFoundError(f"No model directory at {path}; pass a local directory (downloads are not used)")
     if gguf_file is not None and not (path / gguf_file).is_file():
         raise ModelNotFoundError(f"No GGUF file {gguf_file!r} in {path}")
+    if gguf_file is not None and not random_weights:
+        return _load_gguf(path / gguf_file, dtype, device)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     if random_weights:
@@ -72,6 +74,27 @@ def load_model(path: str | os.PathLike, gguf_file: str | None = None, dtype: tor
             _read_generation_config(model, path)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
+    return _with_pad_token(model, tokenizer)
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype, device: str | torch.device):
+    """A GGUF file's model dequantized to ``dtype``, from its converted copy where one was kept (the first load
+    on a machine converts and keeps one: :mod:`hf_accel.tools.converted`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_accel.tools.converted import ConvertedModels
+
+    store = ConvertedModels()
+    loaded = store.load(gguf, dtype, device)
+    if loaded is None:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).eval()
+        store.save(model, tokenizer, gguf, dtype)
+        loaded = model.to(device), tokenizer
+    return _with_pad_token(*loaded)
+
+
+def _with_pad_token(model, tokenizer):
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
     return model, tokenizer
