@@ -100,3 +100,41 @@ def test_cache_info_lists_the_copies_and_clear_deletes_them(gguf, tiny_model_dir
     assert "converted GGUF models" in out and "(1 copies" in out and path.name in out
     assert cli.main(["cache", "clear", "--dir", str(tmp_path / "cache")]) == 0
     assert store.entries() == [] and not path.exists()
+
+
+def test_the_same_file_name_in_two_places_keeps_a_copy_each(gguf, tiny_model_dir, tmp_path):
+    other = tmp_path / "other-venv" / gguf.name  # a second install of the same package
+    other.parent.mkdir()
+    other.write_bytes(b"GGUF")
+    model, tokenizer = make_tiny_model("llama"), AutoTokenizer.from_pretrained(tiny_model_dir)
+    store = ConvertedModels(tmp_path / "cache")
+    first = store.save(model, tokenizer, gguf, torch.float32)
+    second = store.save(model, tokenizer, other, torch.float32)
+    assert first != second and sorted(store.entries()) == sorted([first, second])
+
+
+def test_a_damaged_copy_is_passed_over_with_a_warning(gguf, tiny_model_dir, tmp_path, caplog):
+    store = ConvertedModels(tmp_path / "cache")
+    path = store.save(make_tiny_model("llama"), AutoTokenizer.from_pretrained(tiny_model_dir), gguf, torch.float32)
+    (path / "model.safetensors").write_bytes(b"not safetensors")
+    with caplog.at_level(logging.WARNING):
+        assert store.load(gguf, torch.float32) is None  # the caller reads the GGUF file instead
+    assert "could not be read" in caplog.text and "hf-accel cache clear" in caplog.text
+
+
+def test_weights_that_are_not_plain_tensors_of_the_dtype_are_not_kept(gguf, tiny_model_dir, tmp_path):
+    store = ConvertedModels(tmp_path / "cache")
+    model = make_tiny_model("llama").to(torch.bfloat16)  # transformers kept other weights than asked for
+    assert store.save(model, AutoTokenizer.from_pretrained(tiny_model_dir), gguf, torch.float32) is None
+    assert store.entries() == []
+
+
+def test_scratch_left_by_a_killed_writer_is_removed_by_the_next_write(gguf, tiny_model_dir, tmp_path):
+    store = ConvertedModels(tmp_path / "cache")
+    abandoned, recent = store.directory / ".writing-abandoned", store.directory / ".writing-in-progress"
+    for scratch in (abandoned, recent):
+        scratch.mkdir(parents=True)
+        (scratch / "model.safetensors").write_bytes(b"half")
+    os.utime(abandoned, (0, 0))
+    store.save(make_tiny_model("llama"), AutoTokenizer.from_pretrained(tiny_model_dir), gguf, torch.float32)
+    assert not abandoned.exists() and recent.exists()  # another process may be writing that one now

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import platform
 import sys
 from typing import Sequence
@@ -15,7 +14,15 @@ from hf_accel import __version__, available_backends, check_arguments, patch, re
 from hf_accel.patching.errors import PatchError
 from hf_accel.patching.plugin_manager import plugin_problems
 from hf_accel.tools.bench.commands import cmd_bench, cmd_bench_attention, cmd_bench_step, cmd_identity
-from hf_accel.tools.common import CLIError, add_model_arguments, cpu_name, error_lines, load_from_args
+from hf_accel.tools.common import (
+    CLIError,
+    add_model_arguments,
+    cpu_flags,
+    cpu_name,
+    error_lines,
+    load_from_args,
+    usable_cpus,
+)
 from hf_accel.tools.models import ModelNotFoundError, load_default_model
 from hf_accel.tools.plugins import cmd_plugins
 from hf_accel.tools.prompts import encode_chat, load_prompts, one_per_category
@@ -136,7 +143,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
           f"transformers {transformers.__version__}")
     devices = ["cpu"] + [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]
     print(f"devices: {', '.join(devices)}   threads: {torch.get_num_threads()}")
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, kernels {torch.backends.cpu.get_cpu_capability()}")
+    print(f"CPU: {cpu_name()}, {usable_cpus()} CPUs, kernels {torch.backends.cpu.get_cpu_capability()} "
+          f"(flags: {' '.join(cpu_flags()) or 'no AVX-512 or AMX'})")
     from hf_accel.runtime.compile_cache import CompileStore
 
     store = CompileStore()

@@ -25,23 +25,53 @@ def error_lines(exc: BaseException) -> list[str]:
 
 
 def machine_line() -> str:
-    """The machine a measurement ran on, in one line: CPU, cores, torch's threads and the vector instructions
-    its CPU kernels use, GPUs, library versions. The same code measures about 2x apart on AVX-512 and AVX2
-    machines of one cloud type (int4 products,
-    compiled code, llama.cpp: measured up to ~2x), so every table says which it was.
+    """The machine a measurement ran on, in one line: CPU, usable CPUs, torch's threads (this process's), the
+    vector instructions its CPU kernels use, GPUs, library versions. This project's cloud VMs are AVX-512 on some
+    days and AVX2 on others, and the same code has measured up to ~1.9x apart on them (patch(model), int4
+    steps), so every table says which it was.
 
     Example::
 
         >>> machine_line()  # doctest: +SKIP
-        'machine: AMD EPYC, 2 cores, 2 torch threads, CPU kernels AVX2, torch 2.13.0+cpu, transformers 5.24.0'
+        'machine: AMD EPYC, 2 CPUs, 2 torch threads, CPU kernels AVX2, torch 2.13.0+cpu, transformers 5.24.0'
     """
     import transformers
 
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    parts = [cpu_name(), f"{os.cpu_count()} cores", f"{torch.get_num_threads()} torch threads",
-             f"CPU kernels {torch.backends.cpu.get_cpu_capability()}", *gpus,
+    try:
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception as exc:  # a CUDA that fails to initialise must not cost the table printed before this line
+        gpus = [f"CUDA unreadable ({type(exc).__name__})"]
+    flags = cpu_flags()
+    parts = [cpu_name(), f"{usable_cpus()} CPUs", f"{torch.get_num_threads()} torch threads",
+             f"CPU kernels {torch.backends.cpu.get_cpu_capability()}"
+             + (f" ({' '.join(flags)})" if flags else ""), *gpus,
              f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
     return "machine: " + ", ".join(parts)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it), not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+#: CPU flags that set this machine's kernels apart (oneDNN, inductor and llama.cpp use them where torch's own
+#: capability level says only AVX2 or AVX512).
+NOTABLE_FLAGS = ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def cpu_flags() -> list[str]:
+    """Which of :data:`NOTABLE_FLAGS` the CPU has, from ``/proc/cpuinfo`` (none known elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in NOTABLE_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
 
 
 def cpu_name() -> str:

@@ -17,11 +17,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,12 @@ logger = logging.getLogger(__name__)
 
 #: Written last into a copy's directory: a copy without it is incomplete and never read.
 COMPLETE = "hf_accel_converted.txt"
+#: What a copy holds and how; part of its key, so a change here makes new copies.
+FORMAT = 1
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def enabled() -> bool:
@@ -49,57 +58,89 @@ class ConvertedModels:
         return f"<ConvertedModels {self.directory}>"
 
     def path_for(self, gguf: Path, dtype: torch.dtype) -> Path:
-        """Where the copy of ``gguf`` in ``dtype`` lies: named by the file, and keyed by its place, size and
-        modification time and the transformers version that converts it (a reinstalled or edited file, or
-        another converter, makes a new copy)."""
+        """Where the copy of ``gguf`` in ``dtype`` lies: named by the file, its place (two installs of one file
+        keep a copy each), and a key of its size, modification time, the transformers version that converts it
+        and this store's format (a reinstalled or edited file, another converter or another writer: a new copy)."""
         import transformers
 
-        gguf = gguf.resolve()
+        gguf = gguf.absolute()
         stat = gguf.stat()
-        key = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        return self.directory / f"{gguf.stem}-{str(dtype).removeprefix('torch.')}-{digest}"
+        state = f"{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{FORMAT}"
+        return self.directory / f"{self._prefix(gguf, dtype)}{_digest(state)}"
 
     def load(self, gguf: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> tuple[Any, Any] | None:
-        """The model and tokenizer from the copy of ``gguf``, or None where there is no complete copy."""
+        """The model and tokenizer from the copy of ``gguf``, or None where there is no complete copy or it
+        cannot be read (a warning: the caller reads the GGUF file instead)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = self.path_for(gguf, dtype)
         if not enabled() or not (path / COMPLETE).is_file():
             return None
         logger.info("loading %s from its converted copy %s", gguf.name, path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        except Exception as exc:  # deleted while read, damaged: the GGUF file is still there
+            logger.warning("hf_accel: the converted copy %s could not be read (%s: %s); reading %s instead "
+                           "(`hf-accel cache clear` deletes the copies, HF_ACCEL_CONVERTED_MODELS=0 stops using them)",
+                           path, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", gguf.name)
+            return None
         model.name_or_path = model.config._name_or_path = str(gguf.parent)  # as the GGUF load names it
         return model, tokenizer
 
     def save(self, model: Any, tokenizer: Any, gguf: Path, dtype: torch.dtype) -> Path | None:
-        """Write the copy of ``gguf`` that ``model`` and ``tokenizer`` were loaded from (others of the same file
-        and dtype are deleted); None, with a warning, where it cannot be written (the load itself stands)."""
+        """Write the copy of ``gguf`` that ``model`` and ``tokenizer`` were loaded from (older copies of the same
+        file and dtype are deleted); None where it is not written: a model whose weights are not plain ``dtype``
+        tensors (transformers kept them quantized), too little disk, or an error (a warning: the load stands)."""
         if not enabled():
             return None
         path = self.path_for(gguf, dtype)
+        tensors = list(model.state_dict().values())
+        if any(not t.is_floating_point() or t.dtype != dtype for t in tensors if t.numel()):
+            logger.info("hf_accel: %s loaded with weights that are not plain %s tensors: no converted copy kept",
+                        gguf.name, dtype)
+            return None
+        size = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            if shutil.disk_usage(self.directory).free < 2 * size:
+                raise OSError(f"{size / 2**20:.0f} MB needed, {shutil.disk_usage(self.directory).free / 2**20:.0f} MB "
+                              "free")
+            self._forget_abandoned_writes()
+            logger.warning("hf_accel: keeping a converted copy of %s (%.0f MB) under %s, so that later loads skip "
+                           "the GGUF conversion (HF_ACCEL_CONVERTED_MODELS=0 turns this off)", gguf.name, size / 2**20,
+                           self.directory)
             scratch = Path(tempfile.mkdtemp(prefix=".writing-", dir=self.directory))
             try:
                 _write(model, tokenizer, scratch)
-                (scratch / COMPLETE).write_text(f"converted from {gguf.resolve()}\n")
+                (scratch / COMPLETE).write_text(f"converted from {gguf.absolute()}\n")
                 os.replace(scratch, path)  # another process's copy already there: keep that one
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-        except OSError as exc:
+        except Exception as exc:
             if (path / COMPLETE).is_file():
                 return path
-            logger.warning("hf_accel: could not keep a converted copy of %s under %s (%s); the next process "
-                           "converts it again (set HF_ACCEL_CACHE to a writable directory)", gguf.name,
-                           self.directory, exc)
+            logger.warning("hf_accel: could not keep a converted copy of %s under %s (%s: %s); the next process "
+                           "converts it again (set HF_ACCEL_CACHE to a writable directory with room)", gguf.name,
+                           self.directory, type(exc).__name__, exc)
             return None
-        for other in self.directory.glob(f"{gguf.stem}-{str(dtype).removeprefix('torch.')}-*"):
-            if other != path:
+        for other in self.directory.glob(f"{glob.escape(self._prefix(gguf.absolute(), dtype))}*"):
+            if other != path:  # the same file's copy from before it changed (or another transformers)
                 shutil.rmtree(other, ignore_errors=True)
         logger.info("kept a converted copy of %s at %s", gguf.name, path)
         return path
+
+    @staticmethod
+    def _prefix(gguf: Path, dtype: torch.dtype) -> str:
+        return f"{gguf.stem}-{str(dtype).removeprefix('torch.')}-{_digest(str(gguf))[:8]}-"
+
+    def _forget_abandoned_writes(self, older_than_s: float = 3600.0) -> None:
+        """Scratch directories a killed process left (a live write is minutes old at most)."""
+        now = time.time()
+        for scratch in self.directory.glob(".writing-*"):
+            with contextlib.suppress(OSError):
+                if now - scratch.stat().st_mtime > older_than_s:
+                    shutil.rmtree(scratch, ignore_errors=True)
 
     def entries(self) -> list[Path]:
         if not self.directory.is_dir():

@@ -120,7 +120,9 @@ def run_job(job: Path, processes: int, out: Path, flags: list[str], stock: bool,
             timeout: float = 3600) -> JobRun:
     """One launch of the job, with ``cache`` as its (empty) compile cache."""
     command = launch_command(job, processes, out, [*flags, "--stock"] if stock else flags)
-    env = {**os.environ, "HF_ACCEL_CACHE": str(cache)}
+    # An empty compile cache, and the model read from its GGUF file in every launch alike (a launch that kept a
+    # converted copy would give the next one a faster load than the first had).
+    env = {**os.environ, "HF_ACCEL_CACHE": str(cache), "HF_ACCEL_CONVERTED_MODELS": "0"}
     start = time.perf_counter()
     done = run_launch(command, env, timeout)
     wall = time.perf_counter() - start
