@@ -97,7 +97,7 @@ def test_cache_info_lists_the_copies_and_clear_deletes_them(gguf, tiny_model_dir
     path = store.save(make_tiny_model("llama"), AutoTokenizer.from_pretrained(tiny_model_dir), gguf, torch.float32)
     assert cli.main(["cache", "info", "--dir", str(tmp_path / "cache")]) == 0
     out = capsys.readouterr().out
-    assert "converted GGUF models" in out and "(1 copies" in out and path.name in out
+    assert "converted GGUF models" in out and "(1 copy," in out and path.name in out
     assert cli.main(["cache", "clear", "--dir", str(tmp_path / "cache")]) == 0
     assert store.entries() == [] and not path.exists()
 

@@ -253,7 +253,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
             print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     print(f"compiled code: {store.code_directory} (the compiler's own cache, used for hf_accel's compiles only)")
     copies = models.entries()
-    print(f"converted GGUF models: {models.directory}  ({len(copies)} copies, {models.size_bytes() / 2**20:.1f} MB)")
+    count = f"{len(copies)} {'copy' if len(copies) == 1 else 'copies'}"
+    print(f"converted GGUF models: {models.directory}  ({count}, {models.size_bytes() / 2**20:.1f} MB)")
     for copy in copies:
         print(f"  {copy.name}")
     return 0
