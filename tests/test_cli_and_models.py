@@ -60,6 +60,7 @@ def test_bench_runs_side_by_side_and_writes_json(tiny_model_dir, tmp_path, capsy
     for row in rows:
         assert {"config", "tokens_per_s", "speedup", "identical", "prompt_category"} <= row.keys()
         assert row["tokens_per_s"] > 0 and row["identical"] is True
+        assert f"CPU kernels {torch.backends.cpu.get_cpu_capability()}" in row["machine"]
     assert {r["prompt_category"] for r in rows} == set(CATEGORIES)
     printed = capsys.readouterr().out
     assert "speedup (geo-mean)" in printed and "hf_accel patch(model)" in printed

@@ -73,7 +73,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     bar.close()
     print(f"\n{summary_table(rows)}\n\n{format_table(rows)}")
     if args.json:
-        write_json(rows, args.json)
+        write_json(rows, args.json, machine_line())
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -57,8 +57,11 @@ def _cell(value: object) -> str:
     return str(value).replace("|", "\\|")
 
 
-def write_json(rows: list[Row], path: str | Path) -> None:
-    Path(path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+def write_json(rows: list[Row], path: str | Path, machine: str | None = None) -> None:
+    """The rows as a JSON list; ``machine`` (:func:`~hf_accel.tools.common.machine_line`) goes into each row, so
+    a file read on another day still says which kind of machine measured it."""
+    extra = {"machine": machine} if machine is not None else {}
+    Path(path).write_text(json.dumps([{**asdict(r), **extra} for r in rows], indent=1))
 
 
 def plot(rows: list[Row], path: str | Path) -> None:
