@@ -64,25 +64,24 @@ NOTABLE_FLAGS = ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
 
 def cpu_flags() -> list[str]:
     """Which of :data:`NOTABLE_FLAGS` the CPU has, from ``/proc/cpuinfo`` (none known elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                present = set(line.split(":", 1)[1].split())
-                return [flag for flag in NOTABLE_FLAGS if flag in present]
-    except OSError:
-        pass
-    return []
+    present = set(_cpuinfo("flags").split())
+    return [flag for flag in NOTABLE_FLAGS if flag in present]
 
 
 def cpu_name() -> str:
     """The CPU's model name as the OS reports it (``/proc/cpuinfo`` on Linux)."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _cpuinfo(field: str) -> str:
+    """The first CPU's ``field`` in ``/proc/cpuinfo``; empty where there is none (not Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.split(":", 1)[0].strip() == field:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    return ""
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

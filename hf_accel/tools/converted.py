@@ -1,13 +1,15 @@
 """Converted copies of GGUF models, so that a GGUF file is dequantized once per machine, not once per process.
 
-transformers reads a GGUF file slowly: SmolLM2-135M's 90 MB take ~28-34 s on one thread of this project's
-2-core machine (its reader parses the file's fields twice and rebuilds a tensor-name map for every tensor), where
-the same weights as safetensors load in under a second. Every ``hf-accel demo``, every bench in fresh processes
-and every test process that loads the embedded model paid it. The first load of a GGUF file now writes what it
-produced (weights as safetensors, config, generation config, tokenizer) under
-``<HF_ACCEL_CACHE>/models/``; later loads of the same file, dtype and transformers version read that copy: the
-same tensors, config (its GGUF quantization entry included) and tokenizer. ``hf-accel cache info`` shows the
-copies, ``hf-accel cache clear`` deletes them; ``HF_ACCEL_CONVERTED_MODELS=0`` turns the copies off.
+transformers reads a GGUF file slowly: SmolLM2-135M's 90 MB take ~30-40 s on this project's 2-core machine (its
+reader parses the file's fields twice and rebuilds a tensor-name map for every tensor), where the same weights as
+safetensors load in under a second. Every ``hf-accel demo``, ``generate``, ``bench`` and ``identity`` paid it. The
+first load of a GGUF file through :func:`hf_accel.tools.models.load_model` now writes what it produced (weights as
+safetensors, config, generation config, tokenizer) under ``<HF_ACCEL_CACHE>/models/``; later loads of the same file,
+dtype and transformers version read that copy: the same tensors, config (its GGUF quantization entry included) and
+tokenizer. ``hf-accel cache info`` shows the copies, ``hf-accel cache clear`` deletes them;
+``HF_ACCEL_CONVERTED_MODELS=0`` turns the copies off. The fresh processes of ``bench --cold`` and ``--memory`` load
+the GGUF file themselves, as a user's script would, and ``bench --processes`` turns the copies off, so those
+measurements are unchanged.
 
 Example::
 
@@ -103,9 +105,9 @@ class ConvertedModels:
         size = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            if shutil.disk_usage(self.directory).free < 2 * size:
-                raise OSError(f"{size / 2**20:.0f} MB needed, {shutil.disk_usage(self.directory).free / 2**20:.0f} MB "
-                              "free")
+            free = shutil.disk_usage(self.directory).free
+            if free < 2 * size:
+                raise OSError(f"{size / 2**20:.0f} MB needed, {free / 2**20:.0f} MB free")
             self._forget_abandoned_writes()
             logger.warning("hf_accel: keeping a converted copy of %s (%.0f MB) under %s, so that later loads skip "
                            "the GGUF conversion (HF_ACCEL_CONVERTED_MODELS=0 turns this off)", gguf.name, size / 2**20,
