@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_accel.plugin import PatchContext, PatchError, children_of_type, held_outside, shortfall
+from hf_accel.plugin import PatchContext, PatchError, children_of_type, free_weight, held_outside, shortfall
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class PackedLinear(nn.Module):
         if not held_outside:  # else left whole: something outside the model still runs it
             linear.weight, linear.bias = None, None
         if not keep_weight:
-            weight.data = weight.data.new_empty(0)  # frees the plain weight's storage
+            free_weight(weight)
 
     @property
     def holds_weight(self) -> bool:

@@ -12,6 +12,7 @@ import torch
 
 from hf_accel.patching.errors import PatchError
 from hf_accel.patching.features import FEATURE_NAMES
+from hf_accel.patching.mapped_files import release_replaced_pages
 from hf_accel.patching.plugin_manager import get_plugin_manager, plugin_manager_with
 from hf_accel.patching.registry import BackendRegistry
 from hf_accel.patching.report import PatchReport
@@ -91,6 +92,7 @@ def _patch(model: Any, target: Any, requests: dict[str, Any], arguments: dict[st
     try:
         for feature in FEATURE_NAMES:
             transaction.run_phase(feature, requests[feature])
+            release_replaced_pages(target)  # the weights the phase replaced, where they are a checkpoint file's pages
         transaction.install()
     except BaseException:
         transaction.rollback()

@@ -15,7 +15,8 @@ What is here, by use:
 - registering: :func:`hookimpl`, :class:`Backend`, :class:`Capabilities`, :class:`Option`, the
   :class:`PatchContext` a backend's functions get, the errors;
 - attention backends: switching a model instance's implementation (:mod:`hf_accel.plugin.attention`);
-- quantization backends: choosing Linear layers, replacing them so they save and load as floats, reporting
+- quantization backends: choosing Linear layers, replacing them so they save and load as floats, freeing a
+  weight a copy replaces (:func:`free_weight`), reporting
   (:mod:`hf_accel.plugin.quantize`);
 - cache and compile backends: what they install (a :class:`RollbackCache`, a :class:`DecodeStep`), the
   preallocated and fixed-length caches, the compiled decode step and the :class:`GraphCompiler` it takes, when
@@ -28,6 +29,7 @@ What is here, by use:
 from hf_accel.patching.backends import Backend, Capabilities, Option, PatchContext
 from hf_accel.patching.errors import BackendUnavailableError, PatchError, VerificationError
 from hf_accel.patching.hookspecs import hookimpl
+from hf_accel.patching.mapped_files import free_weight
 from hf_accel.patching.memory import free_bytes, shortfall
 from hf_accel.patching.verify import ProbeInputs
 from hf_accel.plugin.attention import configs_of, head_dim, register_implementation, set_attention, transformers_refusal
@@ -65,8 +67,9 @@ __all__ = [
     # attention
     "configs_of", "head_dim", "register_implementation", "set_attention", "transformers_refusal",
     # quantization
-    "SELECTION_OPTIONS", "SavedAsFloat", "children_of_type", "held_outside", "linear_children", "quantized_bytes",
-    "record_quantization", "selected_embeddings", "selected_linears", "tensor_bytes", "weight_and_bias",
+    "SELECTION_OPTIONS", "SavedAsFloat", "children_of_type", "free_weight", "held_outside", "linear_children",
+    "quantized_bytes", "record_quantization", "selected_embeddings", "selected_linears", "tensor_bytes",
+    "weight_and_bias",
     # caches and the compiled step (what a kv_cache or compile backend installs: a RollbackCache, a DecodeStep)
     "BF16_CHECK_TOLERANCE", "CHECK_TOLERANCE", "CachedLM", "CompileStore", "CompilePolicy", "CompiledDecodeStep",
     "DecodeStep", "GraphCompiler", "PreallocatedCache", "PreallocatedLayer", "RollbackCache", "RollbackStaticCache",
