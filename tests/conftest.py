@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +95,28 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     assert a.keys() == b.keys()
     for key in a:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def resident_bytes(mapping) -> int:
+    """This process's resident bytes of a :class:`~hf_accel.patching.mapped_files.FileMapping` (its lines of
+    /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            inside = mapping.start <= int(head.split("-")[0], 16) < mapping.end
+        elif inside and head == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def pages_read(model: torch.nn.Module, mapping) -> int:
+    """Bytes of the whole pages of ``mapping`` that the model's tensors lie on."""
+    from hf_accel.patching.mapped_files import PAGE, extent
+
+    pages = set()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        first, last = extent(tensor) if tensor.numel() else (0, 0)
+        if mapping.start <= first < mapping.end:
+            pages |= set(range(first // PAGE, -(-last // PAGE)))
+    return len(pages) * PAGE

@@ -12,7 +12,7 @@ import torch
 
 from hf_accel.patching.errors import PatchError
 from hf_accel.patching.features import FEATURE_NAMES
-from hf_accel.patching.mapped_files import release_replaced_pages
+from hf_accel.patching.mapped_files import mappings_read_once, release_replaced_pages
 from hf_accel.patching.plugin_manager import get_plugin_manager, plugin_manager_with
 from hf_accel.patching.registry import BackendRegistry
 from hf_accel.patching.report import PatchReport
@@ -91,8 +91,11 @@ def _patch(model: Any, target: Any, requests: dict[str, Any], arguments: dict[st
     transaction = Transaction(target, pm, registry, options, verify, arguments, strict=arguments["strict"])
     try:
         for feature in FEATURE_NAMES:
-            transaction.run_phase(feature, requests[feature])
-            release_replaced_pages(target)  # the weights the phase replaced, where they are a checkpoint file's pages
+            with mappings_read_once():
+                transaction.run_phase(feature, requests[feature])
+            # A checkpoint transformers memory-mapped stays mapped while any of its tensors lives: the weights
+            # this phase replaced must leave memory now, before a later phase adds its own.
+            release_replaced_pages(target)
         transaction.install()
     except BaseException:
         transaction.rollback()
