@@ -208,25 +208,25 @@ def test_model_card_style_settings_and_stop_strings_keep_speculation_and_stocks_
         hf_accel.unpatch(model)
 
 
-def test_a_few_short_calls_cost_the_process_about_what_the_report_says_the_patch_holds(tmp_path):
-    """Fresh processes, the embedded model, the same 3 short calls (batch 1-3, up to 32 tokens): the whole
-    process's peak, which loading the GGUF file sets for both, and the peak since loading, which the calls
-    set. Issue #19's 20 mixed calls up to batch 4 x 480 tokens are ``hf-accel bench --memory`` (slower than
-    this suite allows; 1.24x there, docs/benchmarks.md)."""
+def test_a_few_short_calls_cost_the_process_about_what_the_report_says_the_patch_holds(smollm2, tmp_path):
+    """Fresh processes, the embedded model from its converted safetensors copy (what most users load: the file's
+    pages are the weights), the same 3 short calls (batch 1-3, up to 32 tokens). Issue #19's 20 mixed calls up
+    to batch 4 x 480 tokens are ``hf-accel bench --memory`` (slower than this suite allows; docs/benchmarks.md)."""
     from hf_accel.tools.bench.cold import ColdConfig
     from hf_accel.tools.bench.memory import run_memory_bench
+    from hf_accel.tools.converted import ConvertedModels
     from hf_accel.tools.models import default_model_file
 
-    gguf = default_model_file()
+    copy = ConvertedModels().path_for(default_model_file(), torch.float32)  # the session's first load made it
     prompts = [p.prompt for p in first_of_each_category()]
-    stock, patched = run_memory_bench(str(gguf.parent), gguf.name, prompts,
+    stock, patched = run_memory_bench(str(copy), None, prompts,
                                       [ColdConfig("stock", None), ColdConfig("patch(model)", {})], tmp_path,
                                       calls=((32, 1), (16, 3), (16, 2)))
     assert stock.report_held_bytes is None and patched.report_held_bytes > 0
-    assert patched.process_peak_mb <= 1.2 * stock.process_peak_mb  # 1.10x measured
-    # Since loading, the calls' peak: what the patched process holds beyond stock's is about what the report
-    # says the patch holds (266 MiB: the packed head, the int4 draft, the caches). Stock's own peak after
-    # these calls moves by ~80 MiB between runs (1065-1149 MiB measured), hence the margins; a ratio to it
-    # would be noise.
+    # 1.20-1.34x measured in 5 runs; 1.61x while the replaced weights' pages stayed resident
+    assert patched.process_peak_mb <= 1.45 * stock.process_peak_mb
+    # What the patched process holds beyond stock's is about what the report says the patch holds (266 MiB: the
+    # packed head, the int4 draft, the caches): -41 to +34 MiB off it in four runs of five, +116 in one
+    # (docs/benchmarks.md), +398 while the pages stayed. Stock's own peak moves by ~65 MiB between runs.
     held_mb = patched.report_held_bytes / 2**20
-    assert held_mb / 2 <= patched.last_call_mb - stock.last_call_mb <= held_mb + 96
+    assert held_mb / 2 <= patched.last_call_mb - stock.last_call_mb <= held_mb + 150
