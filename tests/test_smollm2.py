@@ -23,6 +23,21 @@ def greedy(model, inputs, n=32):
     return model.generate(**inputs, max_new_tokens=n, do_sample=False)
 
 
+@pytest.fixture(scope="module")
+def stock_answers(smollm2):
+    """Stock's greedy answer to a prompt of each category, 64 tokens, made once for the tests here: the inputs,
+    and ``answer(i, n)``, the first ``n`` of prompt ``i``'s (greedy decoding's first tokens do not depend on how
+    many follow)."""
+    model, tokenizer = smollm2
+    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()]
+    answers = [greedy(model, x, 64) for x in inputs]
+
+    def answer(i: int, n: int) -> torch.Tensor:
+        return answers[i][:, : inputs[i]["input_ids"].shape[1] + n]
+
+    return inputs, answer
+
+
 def test_default_model_is_the_embedded_smollm2(smollm2):
     model, tokenizer = smollm2
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
@@ -73,12 +88,12 @@ def test_patching_a_model_loaded_from_safetensors_leaves_no_replaced_weight_resi
         hf_accel.unpatch(model)
 
 
-def test_patched_greedy_output_equals_stock_on_a_prompt_of_each_category(smollm2):
+def test_patched_greedy_output_equals_stock_on_a_prompt_of_each_category(smollm2, stock_answers):
     """chat, code, summarize a quoted passage, edit a quoted code block, 64 tokens each (all 54 prompts, alone and
     in batches: `hf-accel identity`, docs/benchmarks.md)."""
-    model, tokenizer = smollm2
-    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()]
-    expected = [greedy(model, x, 64) for x in inputs]
+    model, _ = smollm2
+    inputs, answer = stock_answers
+    expected = [answer(i, 64) for i in range(len(inputs))]
     hf_accel.patch(model, compile_when="first_use")  # the defaults, compiling at once rather than once it pays
     try:
         for x, want in zip(inputs, expected):
@@ -94,11 +109,12 @@ def test_patched_greedy_output_equals_stock_on_a_prompt_of_each_category(smollm2
         hf_accel.unpatch(model)
 
 
-def test_the_default_patch_runs_its_first_calls_eagerly_and_identically(smollm2, tmp_path, monkeypatch):
+def test_the_default_patch_runs_its_first_calls_eagerly_and_identically(smollm2, stock_answers, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ACCEL_CACHE", str(tmp_path))  # a machine that never compiled this model
-    model, tokenizer = smollm2
-    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()[:2]]
-    expected = [greedy(model, x, 48) for x in inputs]
+    model, _ = smollm2
+    inputs, answer = stock_answers
+    inputs = inputs[:2]
+    expected = [answer(i, 48) for i in range(2)]
     hf_accel.patch(model)
     try:
         for x, want in zip(inputs, expected):
@@ -149,10 +165,11 @@ def test_the_example_script_runs_on_a_model_directory(smollm2):
     assert len(haiku.split()) >= 8  # an answer, not an empty line
 
 
-def test_eager_static_cache_equals_stock(smollm2):
-    model, tokenizer = smollm2
-    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()[::3]]
-    expected = [greedy(model, x, 32) for x in inputs]
+def test_eager_static_cache_equals_stock(smollm2, stock_answers):
+    model, _ = smollm2
+    inputs, answer = stock_answers
+    inputs = inputs[::3]
+    expected = [answer(i, 32) for i in (0, 3)]
     hf_accel.patch(model, kv_cache="static", compile=None, speculative=None)
     try:
         for x, want in zip(inputs, expected):
@@ -161,10 +178,11 @@ def test_eager_static_cache_equals_stock(smollm2):
         hf_accel.unpatch(model)
 
 
-def test_compiled_decode_step_equals_stock_and_does_not_recompile(smollm2):
-    model, tokenizer = smollm2
-    inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()[::2]]  # a short chat, a long text
-    expected = [greedy(model, x, 40 + 8 * i) for i, x in enumerate(inputs)]
+def test_compiled_decode_step_equals_stock_and_does_not_recompile(smollm2, stock_answers):
+    model, _ = smollm2
+    inputs, answer = stock_answers
+    inputs = inputs[::2]  # a short chat, a long text
+    expected = [answer(2 * i, 40 + 8 * i) for i in range(len(inputs))]
     hf_accel.patch(model, kv_cache="static", compile="inductor", speculative=None, compile_when="first_use")
     try:
         longest = max(range(len(inputs)), key=lambda i: inputs[i]["input_ids"].shape[1] + 8 * i)
