@@ -1,7 +1,8 @@
-"""Run under ``torchrun --nproc_per_node 2`` by tests/test_scaling.py: one set-up per run, greedy output of the
-patched model against stock on each process's own batch; rank 0 writes what every rank saw as JSON.
+"""Run under ``torchrun --nproc_per_node 2`` by tests/test_scaling.py: each set-up named, one after the other in
+the same job (a launch costs more than the set-ups it runs), greedy output of the patched model against stock on
+each process's own batch; rank 0 writes what every rank saw as JSON, ``{setup: [rank 0's, rank 1's]}``.
 
-    torchrun --nproc_per_node 2 tests/distributed_worker.py ddp|unwrap|tp|offload OUT.json [MODEL_DIR]
+    torchrun --nproc_per_node 2 tests/distributed_worker.py ddp,unwrap,tp,offload OUT.json [MODEL_DIR]
 """
 
 from __future__ import annotations
@@ -24,9 +25,18 @@ def greedy(model, ids, mask):
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
 
 
-def main(setup: str, out: str, model_dir: str | None = None) -> None:
+def main(setups: str, out: str, model_dir: str | None = None) -> None:
     # A peer that died leaves the other waiting in a collective: a short timeout turns that into an error.
     accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=120))])
+    results = {setup: gather_object([run_setup(accelerator, setup, model_dir)]) for setup in setups.split(",")}
+    if accelerator.is_main_process:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    accelerator.wait_for_everyone()
+    accelerator.state.destroy_process_group()  # left to interpreter exit, gloo's threads can abort the process
+
+
+def run_setup(accelerator: Accelerator, setup: str, model_dir: str | None) -> dict:
     rank = accelerator.process_index
     if setup == "tp":
         model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto").eval()
@@ -65,12 +75,7 @@ def main(setup: str, out: str, model_dir: str | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - the test reads what went wrong, from every rank
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-2000:]
-    gathered = gather_object([result])
-    if accelerator.is_main_process:
-        with open(out, "w") as f:
-            json.dump(gathered, f)
-    accelerator.wait_for_everyone()
-    accelerator.state.destroy_process_group()  # left to interpreter exit, gloo's threads can abort the process
+    return result
 
 
 if __name__ == "__main__":

@@ -102,19 +102,29 @@ def torchrun(*args: str, cache: Path) -> subprocess.CompletedProcess:
                           *args], cache)
 
 
-@pytest.mark.parametrize("setup", ["ddp", "unwrap", "tp", "offload"])
-def test_a_model_patched_in_each_process_of_a_distributed_job_is_stock_token_for_token(setup, tmp_path):
+SETUPS = ["ddp", "unwrap", "tp", "offload"]
+
+
+@pytest.fixture(scope="module")
+def distributed_job(tmp_path_factory) -> dict[str, list[dict]]:
+    """One two-process launch running every set-up in turn (a launch costs more than the set-ups): what each
+    rank saw, per set-up."""
+    scratch = tmp_path_factory.mktemp("distributed")
+    model_dir = scratch / "tiny"
+    make_tiny_model("llama").save_pretrained(model_dir)
+    out = scratch / "ranks.json"
+    done = torchrun(str(WORKER), ",".join(SETUPS), str(out), str(model_dir), cache=scratch / "cache")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_a_model_patched_in_each_process_of_a_distributed_job_is_stock_token_for_token(setup, distributed_job):
     """Two processes over gloo: a model accelerate wrapped in DistributedDataParallel (patched through the
     wrapper), the model ``unwrap_model`` gives back, a model loaded with ``tp_plan="auto"`` (weights sharded
     as DTensors) and one loaded with ``device_map`` over the CPU and disk, in each process: what needs whole
     weights is skipped with the reason, the rest applies)."""
-    model_dir = tmp_path / "tiny"
-    if setup in ("tp", "offload"):
-        make_tiny_model("llama").save_pretrained(model_dir)
-    out = tmp_path / "ranks.json"
-    done = torchrun(str(WORKER), setup, str(out), str(model_dir), cache=tmp_path / "cache")
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = json.loads(out.read_text())
+    ranks = distributed_job[setup]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)
     for rank in ranks:
         assert "error" not in rank, rank.get("traceback")
