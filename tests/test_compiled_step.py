@@ -328,6 +328,74 @@ def test_the_policy_weighs_eager_time_lost_against_the_compile_estimate():
         CompilePolicy(when="soon")
 
 
+def test_step_times_measure_the_saving_once_enough_steps_of_each_kind_ran():
+    from hf_accel.runtime.compile_policy import MEASURED_STEPS, StepTimes
+
+    times = StepTimes()
+    for _ in range(MEASURED_STEPS):
+        times.add(0.04, compiled=False)
+    for _ in range(MEASURED_STEPS - 1):
+        times.add(0.03, compiled=True)
+    assert times.saved_fraction() is None  # one compiled step short
+    times.add(0.03, compiled=True)
+    assert times.saved_fraction() == 0.25
+    slower = StepTimes(eager_seconds=0.8, eager_steps=8, compiled_seconds=1.6, compiled_steps=8)
+    assert slower.saved_fraction() == 0.05  # the floor: auto still compiles, late, and measures anew
+
+
+@pytest.fixture
+def eager_layers_cost_5_ms(monkeypatch):
+    """A clock on which each read is 10 ms later and each eager layer call costs 5 ms more: an eager decode
+    step of the tiny llama (2 layers) takes 20 ms, a compiled one 10 ms."""
+    state = {"reads": 0, "eager": 0}
+
+    def clock():
+        state["reads"] += 1
+        return state["reads"] * 0.01 + state["eager"] * 0.005
+
+    def eager_layer(*args, **kwargs):
+        state["eager"] += 1
+        return real(*args, **kwargs)
+
+    real = compiled_step.eager_layer
+    monkeypatch.setattr(compiled_step, "_clock", clock)
+    monkeypatch.setattr(compiled_step, "eager_layer", eager_layer)
+
+
+def test_what_compiling_saved_is_kept_and_a_later_process_compiles_sooner_for_it(empty_store, eager_layers_cost_5_ms):
+    """A process that ran a shape class eagerly and then compiled measures what a compiled step saved (here half
+    of an eager one, not the 11% assumed): the store keeps it, and the next process's ``auto`` counts with it."""
+    from hf_accel.runtime.compile_cache import CompileStore
+
+    def patched(seed):
+        torch._dynamo.reset()  # as a new process: only the store carries over
+        model = make_tiny_model("llama", seed=seed)
+        hf_accel.patch(model, compile="inductor", speculative=None)
+        step = model._hf_accel_state.compiled_step
+        step.policy = compiled_step.CompilePolicy(cold_estimate=0.2 * step.policy.saved_fraction,
+                                                  warm_estimate=0.2 * step.policy.saved_fraction)
+        return model
+
+    first = patched(0)
+    ids, mask = left_padded_batch(first, (9,))
+    expected = greedy(make_tiny_model("llama", seed=0), ids, mask, 40)
+    assert torch.equal(greedy(first, ids, mask, 40), expected)  # 10 eager steps of 20 ms pay; then compiled
+    details = compile_details(first)
+    assert details["graphs_compiled"] == 1 and details["eager_steps"] >= 10 and details["compiled_steps"] >= 8
+    shape = ShapeClass("LlamaDecoderLayer", single_row=True, single_token=True)
+    step = first._hf_accel_state.compiled_step
+    assert CompileStore().lookup(step._fingerprint(shape.kind), shape).saved_fraction == 0.5
+
+    second = patched(0)
+    assert torch.equal(greedy(second, ids, mask, 4), expected[:, :ids.shape[1] + 4])  # 3 eager steps of 20 ms
+    reason = compile_details(second)["shapes"][str(shape)]
+    assert reason.startswith("eager for now") and "waiting has lost ~0.0 s so far" in reason
+    assert "(a compiled step measured 50% faster here)" in reason
+    assert torch.equal(greedy(second, ids, mask, 40), expected)
+    # 0.2 s x 11% of waiting is paid by 0.022 s / 50% = 2.2 eager steps' worth, not 10: it compiles sooner
+    assert compile_details(second)["eager_steps"] < details["eager_steps"]
+
+
 def test_a_new_batch_size_waits_for_its_own_compile_to_pay(llama, empty_store, steady_clock):
     """Time lost waiting on batch 1 does not pay for compiling batch > 1: a server's first batch of three runs
     eagerly, as fast as before, instead of stopping for a compile."""

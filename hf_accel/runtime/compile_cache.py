@@ -104,9 +104,11 @@ class StoreEntry:
 
 @dataclass(frozen=True)
 class Stored:
-    """A shape class the store has compiled: how long compiling it took from the store, if measured."""
+    """A shape class the store has compiled: how long compiling it took from the store, and the fraction of a
+    decode step compiling saved, where measured."""
 
     warm_seconds: float | None
+    saved_fraction: float | None = None
 
 
 class CompileStore:
@@ -138,7 +140,7 @@ class CompileStore:
         entry = self._entries().get(key)
         if entry is None or not self._valid(entry, fp, key):
             return None
-        return Stored(entry.get("warm_seconds"))
+        return Stored(entry.get("warm_seconds"), entry.get("saved_fraction"))
 
     @contextlib.contextmanager
     def compiling(self, compiler: GraphCompiler) -> Iterator[None]:
@@ -165,6 +167,17 @@ class CompileStore:
                              created=entry.get("created", _now()))
                 entry["warm_seconds" if warm else "cold_seconds"] = round(seconds, 3)
                 index["entries"][key] = entry
+        except OSError as exc:
+            self._warn_unwritable(exc)
+
+    def record_saving(self, fp: dict[str, Any], shape: Any, fraction: float) -> None:
+        """Keep what compiling ``shape`` saved of a decode step here (the shape class must be recorded)."""
+        key = _key(fp, shape)
+        try:
+            with self._locked_index() as index:
+                entry = index["entries"].get(key)
+                if _well_formed_entry(entry):
+                    entry["saved_fraction"] = fraction
         except OSError as exc:
             self._warn_unwritable(exc)
 
@@ -272,6 +285,8 @@ def _well_formed(index: Any) -> bool:
 def _well_formed_entry(entry: Any) -> bool:
     seconds_ok = all(isinstance(entry.get(k), (int, float)) or entry.get(k) is None
                      for k in ("cold_seconds", "warm_seconds")) if isinstance(entry, dict) else False
+    saving = entry.get("saved_fraction") if isinstance(entry, dict) else None
+    seconds_ok = seconds_ok and (saving is None or (isinstance(saving, (int, float)) and 0 <= saving < 1))
     return (seconds_ok and isinstance(entry.get("fingerprint"), dict) and isinstance(entry.get("versions"), dict))
 
 

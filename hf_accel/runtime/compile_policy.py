@@ -31,6 +31,12 @@ WARM_COMPILE_SECONDS = 2.0
 #: (docs/benchmarks.md), the default patch compiled made 50.1 tok/s and its loop over the same prepacked
 #: weights uncompiled (the packing backend alone) 44.6: 11% less time.
 SAVED_FRACTION = 0.11
+#: Decode steps of each kind (eager, compiled) a process must have timed before it measures what compiling a
+#: shape class saved on this machine; the store keeps the measurement for later processes.
+MEASURED_STEPS = 8
+#: A measured saving is kept within these bounds: a noisy measurement near zero must not stop ``auto`` from
+#: ever compiling again on this machine (a later process that compiles measures anew).
+SAVED_FRACTION_BOUNDS = (0.05, 0.9)
 
 WHEN = ("auto", "first_use")
 
@@ -57,17 +63,48 @@ class CompilePolicy:
         if self.when not in WHEN:
             raise ValueError(f"compile_when={self.when!r} is not one of {', '.join(map(repr, WHEN))}")
 
-    def decide(self, estimate: tuple[float, str], eager_seconds: float, call_remaining: float = 0.0) -> Decision:
+    def decide(self, estimate: tuple[float, str], eager_seconds: float, call_remaining: float = 0.0,
+               measured_saving: float | None = None) -> Decision:
         """:param estimate: seconds compiling is expected to take, and where that figure comes from.
         :param eager_seconds: time the model's decode steps have run eagerly waiting for this shape class.
-        :param call_remaining: eager seconds the rest of the current call is expected to take."""
+        :param call_remaining: eager seconds the rest of the current call is expected to take.
+        :param measured_saving: the fraction of a decode step compiling saved on this machine before (see
+            :class:`StepTimes`), instead of ``saved_fraction``."""
         seconds, source = estimate
         if self.when == "first_use":
             return Decision(True, f"compiled at first use (compile_when='first_use'; {source})")
-        lost, expected = eager_seconds * self.saved_fraction, call_remaining * self.saved_fraction
+        saved = self.saved_fraction if measured_saving is None else measured_saving
+        lost, expected = eager_seconds * saved, call_remaining * saved
         account = f"waiting has lost ~{lost:.1f} s so far" + (
             f" and would lose ~{expected:.1f} s more in this call" if call_remaining else "")
+        if measured_saving is not None:
+            account += f" (a compiled step measured {measured_saving:.0%} faster here)"
         if lost + expected >= seconds:
             return Decision(True, f"compiled: {account}, more than the ~{seconds:.1f} s compiling takes ({source})")
         return Decision(False, f"eager for now: compiling is expected to take ~{seconds:.1f} s ({source}); "
                                f"{account} (compile_when='first_use' compiles at once)")
+
+
+@dataclass
+class StepTimes:
+    """The decode steps of one shape class a process has timed, eager and compiled: what compiling saved."""
+
+    eager_seconds: float = 0.0
+    eager_steps: int = 0
+    compiled_seconds: float = 0.0
+    compiled_steps: int = 0
+
+    def add(self, seconds: float, compiled: bool) -> None:
+        if compiled:
+            self.compiled_seconds, self.compiled_steps = self.compiled_seconds + seconds, self.compiled_steps + 1
+        else:
+            self.eager_seconds, self.eager_steps = self.eager_seconds + seconds, self.eager_steps + 1
+
+    def saved_fraction(self) -> float | None:
+        """``1 - compiled / eager`` of the mean step times (within :data:`SAVED_FRACTION_BOUNDS`), once
+        :data:`MEASURED_STEPS` of each were timed; else None."""
+        if min(self.eager_steps, self.compiled_steps) < MEASURED_STEPS or self.eager_seconds <= 0:
+            return None
+        saved = 1 - (self.compiled_seconds / self.compiled_steps) / (self.eager_seconds / self.eager_steps)
+        low, high = SAVED_FRACTION_BOUNDS
+        return round(min(max(saved, low), high), 3)

@@ -38,7 +38,7 @@ from transformers.generation import CompileConfig
 
 from hf_accel.patching.changes import Changes
 from hf_accel.runtime.compile_cache import CompileStore, Stored, fingerprint
-from hf_accel.runtime.compile_policy import CompilePolicy, Decision
+from hf_accel.runtime.compile_policy import CompilePolicy, Decision, StepTimes
 from hf_accel.runtime.generation import cache_keyword
 from hf_accel.runtime.kv_cache import BufferPool, RollbackStaticCache
 from hf_accel.runtime.layer_graphs import (
@@ -111,6 +111,7 @@ class CompiledDecodeStep:
         self._compiled: dict[ShapeClass, float] = {}  # shape class -> seconds its compile took
         self._decisions: dict[ShapeClass, Decision] = {}
         self._waited: dict[ShapeClass, float] = {}  # eager seconds of decode steps that waited for each class
+        self._times: dict[ShapeClass, StepTimes] = {}  # this process's eager and compiled steps of each class
         self._stored: dict[ShapeClass, Stored | None] = {}  # what the store knows of each shape class
         self._fingerprints: dict[str, dict[str, Any]] = {}
         self._caches: OrderedDict[int, tuple[int, Cache]] = OrderedDict()  # batch size -> (positions, cache)
@@ -211,6 +212,10 @@ class CompiledDecodeStep:
         if spent > 0 and tokens > 0:
             self._seconds_per_token = spent / tokens
         self._call_forecast = 0.0
+        for shape, saved in [(shape, times.saved_fraction()) for shape, times in self._times.items()]:
+            if saved is not None and self.store is not None and shape in self._compiled:  # for later processes
+                self.store.record_saving(self._fingerprint(shape.kind), shape, saved)
+                self._times[shape] = StepTimes()  # told once: the class runs no eager steps from now on
         self._publish()
 
     def get_compiled_call(self, compile_config: Any = None) -> CompiledDecodeStep:
@@ -228,12 +233,16 @@ class CompiledDecodeStep:
             out = self.model(*args, **kwargs)
         finally:
             ACTIVE_RUN.reset(token)
+        elapsed = _clock() - start
         if run.compiled_layers and not run.eager_layers:
             self.stats.compiled_steps += 1
         else:
             self.stats.eager_steps += 1
+        timed = run.waiting if not run.compiled_layers else run.compiled if not run.eager_layers else set()
+        for shape in timed if compiling_before == self.stats.compile_seconds else ():  # all eager, or all compiled
+            self._times.setdefault(shape, StepTimes()).add(elapsed, compiled=bool(run.compiled_layers))
         if run.waiting:  # time spent compiling is not time lost running eagerly
-            waited = _clock() - start - (self.stats.compile_seconds - compiling_before)
+            waited = elapsed - (self.stats.compile_seconds - compiling_before)
             self.stats.eager_seconds += waited
             for shape in run.waiting:  # two kinds of layer waiting in one step share its time
                 self._waited[shape] = self._waited.get(shape, 0.0) + waited / len(run.waiting)
@@ -281,6 +290,8 @@ class CompiledDecodeStep:
             run.eager_layers += 1
             return eager_layer(region, layer_cache, slot, args, kwargs)
         missed = graphs.misses[0] - misses
+        if not missed:
+            run.compiled.add(shape)
         self.stats.misses += missed
         run.eager_layers += missed
         run.compiled_layers += 1 - missed
@@ -290,8 +301,9 @@ class CompiledDecodeStep:
     def _decide(self, shape: ShapeClass) -> Decision:
         # Each shape class pays for itself: time lost on batch 1 does not buy a compile of batch > 1.
         spent_in_call = self.stats.eager_seconds - self._call_start
-        decision = self.policy.decide(self._estimate(shape), self._waited.get(shape, 0.0),
-                                      max(self._call_forecast - spent_in_call, 0.0))
+        estimate, stored = self._estimate(shape), self._stored[shape]
+        decision = self.policy.decide(estimate, self._waited.get(shape, 0.0), max(self._call_forecast - spent_in_call,
+                                      0.0), stored.saved_fraction if stored is not None else None)
         if self._decisions.get(shape) != decision:
             self._decisions[shape] = decision
             logger.debug("%s, %s: %s", type(self.model).__name__, shape, decision.reason)

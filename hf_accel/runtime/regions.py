@@ -97,6 +97,7 @@ class RegionRun:
         self.compiled_layers = 0
         self.eager_layers = 0
         self.waiting: set[ShapeClass] = set()  # shape classes whose layers ran eagerly, not compiled (yet)
+        self.compiled: set[ShapeClass] = set()  # shape classes whose layers ran their graphs
         self.decisions: dict[ShapeClass, Any] = {}  # the compile policy asked once per class per step
 
 
