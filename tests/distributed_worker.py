@@ -19,6 +19,7 @@ from conftest import left_padded_batch, make_tiny_model
 from transformers import AutoModelForCausalLM
 
 import hf_accel
+from hf_accel.patching.plugin_manager import reset_plugin_manager
 
 
 def greedy(model, ids, mask):
@@ -28,29 +29,35 @@ def greedy(model, ids, mask):
 def main(setups: str, out: str, model_dir: str | None = None) -> None:
     # A peer that died leaves the other waiting in a collective: a short timeout turns that into an error.
     accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=120))])
-    results = {setup: gather_object([run_setup(accelerator, setup, model_dir)]) for setup in setups.split(",")}
-    if accelerator.is_main_process:
-        with open(out, "w") as f:
-            json.dump(results, f)
+    results = {}
+    for setup in setups.split(","):
+        reset_plugin_manager()  # as each test of the suite starts: no set-up sees another's plugin state
+        results[setup] = gather_object([run_setup(accelerator, setup, model_dir)])
+        if accelerator.is_main_process:  # after each set-up: one that hangs or kills the job loses only itself
+            with open(out, "w") as f:
+                json.dump(results, f)
     accelerator.wait_for_everyone()
     accelerator.state.destroy_process_group()  # left to interpreter exit, gloo's threads can abort the process
 
 
-def run_setup(accelerator: Accelerator, setup: str, model_dir: str | None) -> dict:
-    rank = accelerator.process_index
+def load(setup: str, model_dir: str | None, rank: int):
     if setup == "tp":
-        model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto").eval()
-    elif setup == "offload":  # the first weights and a layer wait on disk until they run
+        return AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto").eval()
+    if setup == "offload":  # the first weights and a layer wait on disk until they run
         device_map = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk",
                       "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
-        model = AutoModelForCausalLM.from_pretrained(model_dir, device_map=device_map,
-                                                     offload_folder=f"{model_dir}/offload-{rank}").eval()
-    else:
-        model = make_tiny_model("llama")
-    # Data parallel: each process its own batch; tensor parallel: every process the same one.
-    ids, mask = left_padded_batch(model, (7, 3, 5), seed=1 if setup == "tp" else rank + 1)
+        return AutoModelForCausalLM.from_pretrained(model_dir, device_map=device_map,
+                                                    offload_folder=f"{model_dir}/offload-{rank}").eval()
+    return make_tiny_model("llama")
+
+
+def run_setup(accelerator: Accelerator, setup: str, model_dir: str | None) -> dict:
+    rank = accelerator.process_index
     result = {"rank": rank, "world": accelerator.num_processes}
     try:
+        model = load(setup, model_dir, rank)
+        # Data parallel: each process its own batch; tensor parallel: every process the same one.
+        ids, mask = left_padded_batch(model, (7, 3, 5), seed=1 if setup == "tp" else rank + 1)
         expected = greedy(model, ids, mask)
         if setup == "ddp":
             wrapped = accelerator.prepare(model)

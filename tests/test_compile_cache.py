@@ -99,8 +99,10 @@ def test_a_stale_entry_is_discarded_with_a_log_line(store, caplog):
 
 @pytest.mark.parametrize("damage", [lambda e: None, lambda e: {**e, "warm_seconds": "soon"},
                                     lambda e: {**e, "fingerprint": "LlamaForCausalLM"},
-                                    lambda e: {**e, "saved_fraction": 1.5}],
-                         ids=["null", "seconds not a number", "fingerprint not a mapping", "saving not a fraction"])
+                                    lambda e: {**e, "saved_fraction": 1.5}, lambda e: {**e, "saved_fraction": 0},
+                                    lambda e: {**e, "saved_fraction": False}],
+                         ids=["null", "seconds not a number", "fingerprint not a mapping", "saving over 1",
+                              "saving of nothing (auto would never compile)", "saving not a number"])
 def test_a_malformed_entry_is_discarded_with_a_log_line(store, caplog, damage):
     generate_patched(**AT_ONCE)
     index = json.loads((store / "index.json").read_text())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -27,8 +29,9 @@ def _fresh_dynamo():
 
 @pytest.fixture
 def empty_store(tmp_path, monkeypatch):
-    """No shape class compiled on this machine before: the policy's cold estimate applies."""
+    """No shape class compiled on this machine before: the policy's cold estimate applies. Its directory."""
     monkeypatch.setenv("HF_ACCEL_CACHE", str(tmp_path))
+    return tmp_path
 
 
 def compile_details(model) -> dict:
@@ -328,19 +331,26 @@ def test_the_policy_weighs_eager_time_lost_against_the_compile_estimate():
         CompilePolicy(when="soon")
 
 
-def test_step_times_measure_the_saving_once_enough_steps_of_each_kind_ran():
-    from hf_accel.runtime.compile_policy import MEASURED_STEPS, StepTimes
+def test_the_timer_measures_a_saving_once_enough_steps_of_each_kind_ran_and_tells_it_once():
+    from hf_accel.runtime.compile_policy import MEASURED_STEPS, CompilePolicy, StepTimer
 
-    times = StepTimes()
+    timer = StepTimer()
     for _ in range(MEASURED_STEPS):
-        times.add(0.04, compiled=False)
+        timer.add(["a", "b"], 0.04, compiled=False)
     for _ in range(MEASURED_STEPS - 1):
-        times.add(0.03, compiled=True)
-    assert times.saved_fraction() is None  # one compiled step short
-    times.add(0.03, compiled=True)
-    assert times.saved_fraction() == 0.25
-    slower = StepTimes(eager_seconds=0.8, eager_steps=8, compiled_seconds=1.6, compiled_steps=8)
-    assert slower.saved_fraction() == 0.05  # the floor: auto still compiles, late, and measures anew
+        timer.add(["a", "b"], 0.03, compiled=True)
+    assert list(timer.measured({"a", "b"})) == []  # one compiled step short
+    timer.add(["a", "b"], 0.03, compiled=True)
+    assert list(timer.measured({"a"})) == [("a", 0.25)]  # b was never compiled: nothing to tell of it
+    assert list(timer.measured({"a"})) == []  # told once
+    slower = StepTimer()
+    for compiled, seconds in [(False, 0.1)] * 8 + [(True, 0.2)] * 8:
+        slower.add(["a"], seconds, compiled)
+    assert list(slower.measured({"a"})) == [("a", 0.05)]  # the floor: auto still compiles, late, and measures anew
+    policy = CompilePolicy(saved_fraction=0.1)
+    assert not policy.decide((1.0, "warm"), eager_seconds=4.0).compile  # 0.4 s lost at the assumed 10%
+    decision = policy.decide((1.0, "warm"), eager_seconds=4.0, measured_saving=0.3)  # 1.2 s at the measured 30%
+    assert decision.compile and "(a compiled step measured 30% faster here)" in decision.reason
 
 
 @pytest.fixture
@@ -367,33 +377,40 @@ def test_what_compiling_saved_is_kept_and_a_later_process_compiles_sooner_for_it
     of an eager one, not the 11% assumed): the store keeps it, and the next process's ``auto`` counts with it."""
     from hf_accel.runtime.compile_cache import CompileStore
 
-    def patched(seed):
+    def patched():
         torch._dynamo.reset()  # as a new process: only the store carries over
-        model = make_tiny_model("llama", seed=seed)
+        model = make_tiny_model("llama")
         hf_accel.patch(model, compile="inductor", speculative=None)
         step = model._hf_accel_state.compiled_step
+        # Compiling costs what 10 eager steps of 20 ms lose at the assumed 11%
         step.policy = compiled_step.CompilePolicy(cold_estimate=0.2 * step.policy.saved_fraction,
                                                   warm_estimate=0.2 * step.policy.saved_fraction)
         return model
 
-    first = patched(0)
+    first = patched()
     ids, mask = left_padded_batch(first, (9,))
-    expected = greedy(make_tiny_model("llama", seed=0), ids, mask, 40)
-    assert torch.equal(greedy(first, ids, mask, 40), expected)  # 10 eager steps of 20 ms pay; then compiled
+    expected = greedy(make_tiny_model("llama"), ids, mask, 40)
+    assert torch.equal(greedy(first, ids, mask, 40), expected)
     details = compile_details(first)
-    assert details["graphs_compiled"] == 1 and details["eager_steps"] >= 10 and details["compiled_steps"] >= 8
+    assert details["graphs_compiled"] == 1 and details["eager_steps"] == 11 and details["compiled_steps"] >= 8
     shape = ShapeClass("LlamaDecoderLayer", single_row=True, single_token=True)
-    step = first._hf_accel_state.compiled_step
-    assert CompileStore().lookup(step._fingerprint(shape.kind), shape).saved_fraction == 0.5
+    store, fingerprint = CompileStore(), first._hf_accel_state.compiled_step._fingerprint(shape.kind)
+    assert store.lookup(fingerprint, shape).saved_fraction == 0.5  # 10 ms compiled against 20 ms eager
 
-    second = patched(0)
-    assert torch.equal(greedy(second, ids, mask, 4), expected[:, :ids.shape[1] + 4])  # 3 eager steps of 20 ms
-    reason = compile_details(second)["shapes"][str(shape)]
-    assert reason.startswith("eager for now") and "waiting has lost ~0.0 s so far" in reason
-    assert "(a compiled step measured 50% faster here)" in reason
-    assert torch.equal(greedy(second, ids, mask, 40), expected)
-    # 0.2 s x 11% of waiting is paid by 0.022 s / 50% = 2.2 eager steps' worth, not 10: it compiles sooner
-    assert compile_details(second)["eager_steps"] < details["eager_steps"]
+    # A first call of 6 tokens (5 decode steps; no forecast yet): at 50% it pays after 3 eager steps, compiles
+    # at the 4th and runs the 5th compiled; at the assumed 11% it needs 10 and stays eager.
+    second = patched()
+    assert torch.equal(greedy(second, ids, mask, 6), expected[:, :ids.shape[1] + 6])
+    details = compile_details(second)
+    assert (details["graphs_compiled"], details["eager_steps"], details["compiled_steps"]) == (1, 4, 1)
+    index_file = empty_store / "compile" / "index.json"  # the same store without the measurement
+    index = json.loads(index_file.read_text())
+    for entry in index["entries"].values():
+        del entry["saved_fraction"]
+    index_file.write_text(json.dumps(index))
+    third = patched()
+    assert torch.equal(greedy(third, ids, mask, 6), expected[:, :ids.shape[1] + 6])
+    assert (compile_details(third)["graphs_compiled"], compile_details(third)["eager_steps"]) == (0, 5)
 
 
 def test_a_new_batch_size_waits_for_its_own_compile_to_pay(llama, empty_store, steady_clock):

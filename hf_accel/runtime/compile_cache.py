@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
+from hf_accel.runtime.compile_policy import valid_saving
+
 if TYPE_CHECKING:
     from hf_accel.runtime.layer_graphs import GraphCompiler
 
@@ -286,7 +288,7 @@ def _well_formed_entry(entry: Any) -> bool:
     seconds_ok = all(isinstance(entry.get(k), (int, float)) or entry.get(k) is None
                      for k in ("cold_seconds", "warm_seconds")) if isinstance(entry, dict) else False
     saving = entry.get("saved_fraction") if isinstance(entry, dict) else None
-    seconds_ok = seconds_ok and (saving is None or (isinstance(saving, (int, float)) and 0 <= saving < 1))
+    seconds_ok = seconds_ok and (saving is None or valid_saving(saving))
     return (seconds_ok and isinstance(entry.get("fingerprint"), dict) and isinstance(entry.get("versions"), dict))
 
 

@@ -8,10 +8,11 @@ or the first call of a notebook, need not wait for a compiler; a long-running pr
 ``when="auto"`` is the ski-rental rule: compile a shape class once running eagerly has lost, in the time a
 compiled graph would have saved, as much as compiling is expected to take. What counts as lost is the
 decode time that waited for this shape class so far plus what the rest of the current call is expected to
-take (its ``max_new_tokens`` at the model's measured eager seconds per token), times
-:data:`SAVED_FRACTION`. Each shape class pays for itself: a server's first batch of three does not stop
-for a compile because batch-1 calls waited before. So a call long enough to pay
-for a compile by itself compiles at its start, and a run of short calls compiles once they have paid. The
+take (its ``max_new_tokens`` at the model's measured eager seconds per token), times the fraction of a
+step a compiled graph saves: what this machine measured for that shape class before (:class:`StepTimer`,
+kept by the compile cache), else :data:`SAVED_FRACTION`. Each shape class pays for itself: a server's
+first batch of three does not stop for a compile because batch-1 calls waited before. So a call long enough
+to pay for a compile by itself compiles at its start, and a run of short calls compiles once they have paid. The
 estimate is what compiling took on this machine before (from the compile cache, whose compiled code makes
 the compile a cache hit), or :data:`COLD_COMPILE_SECONDS` for a shape class this machine never compiled.
 ``when="first_use"`` compiles every shape class the first time a call needs it.
@@ -19,7 +20,9 @@ the compile a cache hit), or :data:`COLD_COMPILE_SECONDS` for a shape class this
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Collection, Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 #: Measured on the 2-core development CPU (SmolLM2-135M, inductor's on-disk cache empty): 13-15 s for the
 #: first graph of a process, 4-7 s for later ones.
@@ -35,10 +38,12 @@ SAVED_FRACTION = 0.11
 #: shape class saved on this machine; the store keeps the measurement for later processes.
 MEASURED_STEPS = 8
 #: A measured saving is kept within these bounds: a noisy measurement near zero must not stop ``auto`` from
-#: ever compiling again on this machine (a later process that compiles measures anew).
+#: ever compiling again on this machine (a later process that waits and then compiles measures anew).
 SAVED_FRACTION_BOUNDS = (0.05, 0.9)
 
 WHEN = ("auto", "first_use")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,9 +90,10 @@ class CompilePolicy:
                                f"{account} (compile_when='first_use' compiles at once)")
 
 
+
 @dataclass
 class StepTimes:
-    """The decode steps of one shape class a process has timed, eager and compiled: what compiling saved."""
+    """The decode steps of one shape class a process has timed, eager and compiled."""
 
     eager_seconds: float = 0.0
     eager_steps: int = 0
@@ -100,11 +106,49 @@ class StepTimes:
         else:
             self.eager_seconds, self.eager_steps = self.eager_seconds + seconds, self.eager_steps + 1
 
-    def saved_fraction(self) -> float | None:
-        """``1 - compiled / eager`` of the mean step times (within :data:`SAVED_FRACTION_BOUNDS`), once
-        :data:`MEASURED_STEPS` of each were timed; else None."""
+    def saving(self) -> float | None:
+        """``1 - compiled / eager`` of the mean step times, once :data:`MEASURED_STEPS` of each were timed."""
         if min(self.eager_steps, self.compiled_steps) < MEASURED_STEPS or self.eager_seconds <= 0:
             return None
-        saved = 1 - (self.compiled_seconds / self.compiled_steps) / (self.eager_seconds / self.eager_steps)
-        low, high = SAVED_FRACTION_BOUNDS
-        return round(min(max(saved, low), high), 3)
+        return 1 - (self.compiled_seconds / self.compiled_steps) / (self.eager_seconds / self.eager_steps)
+
+
+def bounded(saving: float) -> float:
+    """A measured saving as the policy counts with it (see :data:`SAVED_FRACTION_BOUNDS`)."""
+    low, high = SAVED_FRACTION_BOUNDS
+    return round(min(max(saving, low), high), 3)
+
+
+def valid_saving(value: object) -> bool:
+    """Whether a stored saving is one :func:`bounded` could have written (a hand-edited 0 would stop ``auto``)."""
+    low, high = SAVED_FRACTION_BOUNDS
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+
+
+@dataclass
+class StepTimer:
+    """What compiling saves, as a process measures it: each decode step's time, counted for its shape classes
+    where they all ran eagerly (waiting) or all compiled, and no compile ran in it. The eager steps come
+    first, at shorter contexts than the compiled ones, so the figure is an estimate, which is all the
+    policy needs. Example::
+
+        timer.add(shapes, seconds, compiled=False)               # each decode step
+        for shape, saving in timer.measured(compiled_shapes):    # at the end of a call
+            store.record_saving(fingerprint, shape, saving)
+    """
+
+    times: dict[Hashable, StepTimes] = field(default_factory=dict)
+
+    def add(self, shapes: Iterable[Hashable], seconds: float, compiled: bool) -> None:
+        for shape in shapes:
+            self.times.setdefault(shape, StepTimes()).add(seconds, compiled)
+
+    def measured(self, compiled: Collection[Hashable]) -> Iterator[tuple[Hashable, float]]:
+        """Each compiled shape class whose saving is measured now, once (bounded; the raw figure logged)."""
+        for shape, times in list(self.times.items()):
+            saving = times.saving() if shape in compiled else None
+            if saving is not None:
+                logger.info("hf_accel: a compiled step of %s measured %.0f%% faster than an eager one", shape,
+                            100 * saving)
+                self.times[shape] = StepTimes()  # told once: the class runs no eager steps from now on
+                yield shape, bounded(saving)

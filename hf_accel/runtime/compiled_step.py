@@ -38,7 +38,7 @@ from transformers.generation import CompileConfig
 
 from hf_accel.patching.changes import Changes
 from hf_accel.runtime.compile_cache import CompileStore, Stored, fingerprint
-from hf_accel.runtime.compile_policy import CompilePolicy, Decision, StepTimes
+from hf_accel.runtime.compile_policy import CompilePolicy, Decision, StepTimer
 from hf_accel.runtime.generation import cache_keyword
 from hf_accel.runtime.kv_cache import BufferPool, RollbackStaticCache
 from hf_accel.runtime.layer_graphs import (
@@ -111,7 +111,7 @@ class CompiledDecodeStep:
         self._compiled: dict[ShapeClass, float] = {}  # shape class -> seconds its compile took
         self._decisions: dict[ShapeClass, Decision] = {}
         self._waited: dict[ShapeClass, float] = {}  # eager seconds of decode steps that waited for each class
-        self._times: dict[ShapeClass, StepTimes] = {}  # this process's eager and compiled steps of each class
+        self._timer = StepTimer()  # what compiling saved of a step here, for the store
         self._stored: dict[ShapeClass, Stored | None] = {}  # what the store knows of each shape class
         self._fingerprints: dict[str, dict[str, Any]] = {}
         self._caches: OrderedDict[int, tuple[int, Cache]] = OrderedDict()  # batch size -> (positions, cache)
@@ -212,10 +212,8 @@ class CompiledDecodeStep:
         if spent > 0 and tokens > 0:
             self._seconds_per_token = spent / tokens
         self._call_forecast = 0.0
-        for shape, saved in [(shape, times.saved_fraction()) for shape, times in self._times.items()]:
-            if saved is not None and self.store is not None and shape in self._compiled:  # for later processes
-                self.store.record_saving(self._fingerprint(shape.kind), shape, saved)
-                self._times[shape] = StepTimes()  # told once: the class runs no eager steps from now on
+        for shape, saving in self._timer.measured(self._compiled) if self.store is not None else ():
+            self.store.record_saving(self._fingerprint(shape.kind), shape, saving)  # for later processes
         self._publish()
 
     def get_compiled_call(self, compile_config: Any = None) -> CompiledDecodeStep:
@@ -238,9 +236,9 @@ class CompiledDecodeStep:
             self.stats.compiled_steps += 1
         else:
             self.stats.eager_steps += 1
-        timed = run.waiting if not run.compiled_layers else run.compiled if not run.eager_layers else set()
-        for shape in timed if compiling_before == self.stats.compile_seconds else ():  # all eager, or all compiled
-            self._times.setdefault(shape, StepTimes()).add(elapsed, compiled=bool(run.compiled_layers))
+        if compiling_before == self.stats.compile_seconds:  # all eager (waiting), or all compiled
+            timed = run.waiting if not run.compiled_layers else run.compiled if not run.eager_layers else ()
+            self._timer.add(timed, elapsed, compiled=bool(run.compiled_layers))
         if run.waiting:  # time spent compiling is not time lost running eagerly
             waited = elapsed - (self.stats.compile_seconds - compiling_before)
             self.stats.eager_seconds += waited
@@ -302,8 +300,9 @@ class CompiledDecodeStep:
         # Each shape class pays for itself: time lost on batch 1 does not buy a compile of batch > 1.
         spent_in_call = self.stats.eager_seconds - self._call_start
         estimate, stored = self._estimate(shape), self._stored[shape]
-        decision = self.policy.decide(estimate, self._waited.get(shape, 0.0), max(self._call_forecast - spent_in_call,
-                                      0.0), stored.saved_fraction if stored is not None else None)
+        decision = self.policy.decide(estimate, self._waited.get(shape, 0.0),
+                                      max(self._call_forecast - spent_in_call, 0.0),
+                                      stored.saved_fraction if stored is not None else None)
         if self._decisions.get(shape) != decision:
             self._decisions[shape] = decision
             logger.debug("%s, %s: %s", type(self.model).__name__, shape, decision.reason)
