@@ -84,12 +84,15 @@ def test_another_architecture_or_layer_layout_gets_entries_of_its_own(store):
                                                                                   "Qwen2ForCausalLM"]
 
 
-def test_a_stale_entry_is_discarded_with_a_log_line(store, caplog):
+@pytest.mark.parametrize("stale, said", [({"torch": "1.0.0"}, "torch 1.0.0"),
+                                         ({"torch_at": "/another/venv/torch"}, "torch at /another/venv/torch")],
+                         ids=["another torch", "another install of this torch (its C++ is compiled anew)"])
+def test_a_stale_entry_is_discarded_with_a_log_line(store, caplog, stale, said):
     generate_patched(**AT_ONCE)
-    edit_index(store, lambda entry: entry["versions"].update(torch="1.0.0"))
+    edit_index(store, lambda entry: entry["versions"].update(stale))
     caplog.set_level(logging.INFO, logger="hf_accel")
     _, details = generate_patched(**AT_ONCE)
-    assert "discarding compile cache entry" in caplog.text and "torch 1.0.0" in caplog.text
+    assert "discarding compile cache entry" in caplog.text and said in caplog.text
     assert "not compiled on this machine before" in caplog.text  # the compile did not count on it
     assert details["failure"] is None
     (entry,) = entries(store).values()

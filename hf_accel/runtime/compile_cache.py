@@ -68,11 +68,15 @@ def default_cache_dir() -> Path:
 
 
 def versions() -> dict[str, str]:
+    """What compiled code depends on besides the model. The torch install's location too: inductor's compiled
+    C++ is keyed on its include paths, so another virtual environment recompiles it (a "warm" compile took 13 s
+    there, not 3), and its timings must not be counted as warm."""
     import transformers
 
     from hf_accel.version import __version__
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "hf_accel": __version__}
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "hf_accel": __version__,
+            "torch_at": str(Path(torch.__file__).resolve().parent)}
 
 
 def fingerprint(model: nn.Module, layer: nn.Module, kind: str, **settings: Any) -> dict[str, Any]:
@@ -308,7 +312,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _versions_text(v: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v.get(k)}" for k in ("torch", "transformers", "hf_accel"))
+    named = ", ".join(f"{k} {v.get(k)}" for k in ("torch", "transformers", "hf_accel"))
+    return f"{named} (torch at {v.get('torch_at')})"
 
 
 def _now() -> str:
