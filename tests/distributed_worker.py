@@ -8,6 +8,7 @@ each process's own batch; rank 0 writes what every rank saw as JSON, ``{setup: [
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from datetime import timedelta
@@ -34,8 +35,9 @@ def main(setups: str, out: str, model_dir: str | None = None) -> None:
         reset_plugin_manager()  # as each test of the suite starts: no set-up sees another's plugin state
         results[setup] = gather_object([run_setup(accelerator, setup, model_dir)])
         if accelerator.is_main_process:  # after each set-up: one that hangs or kills the job loses only itself
-            with open(out, "w") as f:
+            with open(f"{out}.part", "w") as f:
                 json.dump(results, f)
+            os.replace(f"{out}.part", out)  # whole or not at all, if the job is killed while writing
     accelerator.wait_for_everyone()
     accelerator.state.destroy_process_group()  # left to interpreter exit, gloo's threads can abort the process
 

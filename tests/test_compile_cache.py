@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,20 +85,32 @@ def test_another_architecture_or_layer_layout_gets_entries_of_its_own(store):
                                                                                   "Qwen2ForCausalLM"]
 
 
-@pytest.mark.parametrize("stale, said", [({"torch": "1.0.0"}, "torch 1.0.0"),
-                                         ({"torch_at": "/another/venv/torch"}, "torch at /another/venv/torch")],
-                         ids=["another torch", "another install of this torch (its C++ is compiled anew)"])
-def test_a_stale_entry_is_discarded_with_a_log_line(store, caplog, stale, said):
+def test_a_stale_entry_is_discarded_with_a_log_line(store, caplog):
     generate_patched(**AT_ONCE)
-    edit_index(store, lambda entry: entry["versions"].update(stale))
+    edit_index(store, lambda entry: entry["versions"].update(torch="1.0.0"))
     caplog.set_level(logging.INFO, logger="hf_accel")
     _, details = generate_patched(**AT_ONCE)
-    assert "discarding compile cache entry" in caplog.text and said in caplog.text
+    assert "discarding compile cache entry" in caplog.text and "torch 1.0.0" in caplog.text
     assert "not compiled on this machine before" in caplog.text  # the compile did not count on it
     assert details["failure"] is None
     (entry,) = entries(store).values()
     assert entry["versions"]["torch"] == torch.__version__  # recorded anew
     assert any((store / "code").rglob("*.py"))  # compiled code is torch's to key: none of it was deleted
+
+
+def test_another_install_of_torch_keeps_entries_of_its_own_side_by_side(store, monkeypatch):
+    """Inductor compiles its C++ anew for another torch install (another virtual environment): a compile there
+    is not warm, and neither environment's entries replace the other's in a shared cache directory."""
+    elsewhere = "/another/venv/lib/python3.11/site-packages/torch/__init__.py"
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__file__", elsewhere)
+        generate_patched(**AT_ONCE)
+    _, details = generate_patched(compile="inductor", speculative=None)  # this install: never compiled here
+    assert details["shapes"][SHAPE].startswith("eager for now: compiling is expected to take ~10.0 s "
+                                               "(not compiled on this machine before)")
+    generate_patched(**AT_ONCE)
+    assert sorted(e["fingerprint"]["torch_at"] for e in entries(store).values()) == sorted(
+        ["/another/venv/lib/python3.11/site-packages/torch", str(Path(torch.__file__).resolve().parent)])
 
 
 @pytest.mark.parametrize("damage", [lambda e: None, lambda e: {**e, "warm_seconds": "soon"},

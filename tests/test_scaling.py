@@ -127,6 +127,8 @@ def test_a_model_patched_in_each_process_of_a_distributed_job_is_stock_token_for
     results, done = distributed_job
     assert setup in results, f"the job ended (exit {done.returncode}) before this set-up: {done.stderr[-3000:]}"
     ranks = results[setup]
+    if setup == SETUPS[-1]:  # every set-up ran: the job must also have ended cleanly
+        assert done.returncode == 0, done.stderr[-3000:]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)
     for rank in ranks:
         assert "error" not in rank, rank.get("traceback")

@@ -5,18 +5,19 @@ the store (the compile backend's :class:`~hf_accel.runtime.layer_graphs.GraphCom
 through its cache directory), for the duration of its own compiles only, so that everything those compiles
 produce (generated code, compiled kernels, AOTAutograd graphs, keyed by torch itself) lives, and is cleared, in
 one place, and a later process compiling the same shape class hits that cache: ~0.5-3 s instead of ~4-15 s on
-a 2-core CPU. Beside it an index records each compiled shape class with its measured compile times, which
-the compile policy uses to expect a cache hit.
+a 2-core CPU. Beside it an index records each compiled shape class with its measured compile times and, once
+measured, the fraction of a decode step its graph saves, which the compile policy uses.
 
-Index entries are keyed by a fingerprint of what the graph depends on: the model and layer classes, the
-layer's parameter shapes and module types (prepacked or quantized Linears), the text config, dtype, device,
-the attention implementation and the compile settings. Weights are graph inputs, so one entry serves every
-checkpoint of an architecture. Everything is validated when read: an entry written by other versions of
-torch, transformers or hf_accel is stale, one whose recorded fingerprint is not the model's is foreign, and
-an unreadable index or a malformed entry is corrupt. Each is discarded from the index with a log line, never
-used; a compile that fails inside the store empties it and is retried once. Whatever the store holds, every
-graph is checked against the eager layer before a call uses it. Compiled code itself is keyed by torch (by
-graph, versions and CPU), so stale code is never loaded; it stays on disk until ``hf-accel cache clear``.
+Index entries are keyed by a fingerprint of what the graph depends on: the model and layer classes, the layer's
+parameter shapes and module types (prepacked or quantized Linears), the text config, dtype, device, the
+attention implementation, the compile settings and where torch is installed. Weights are graph inputs, so one
+entry serves every checkpoint of an architecture. Everything is validated when read: an entry written by other
+versions of torch, transformers or hf_accel is stale, one whose recorded fingerprint is not the model's is
+foreign, and an unreadable index or a malformed entry is corrupt. Each is discarded from the index with a log
+line, never used; a compile that fails inside the store empties it and is retried once. Whatever the store
+holds, every graph is checked against the eager layer before a call uses it. Compiled code itself is keyed by
+torch (by graph, versions and CPU), so stale code is never loaded; it stays on disk until ``hf-accel cache
+clear``.
 
 Location: ``HF_ACCEL_CACHE``, else ``$XDG_CACHE_HOME/hf_accel``, else ``~/.cache/hf_accel`` (a directory under
 the system's temporary directory where there is no home); ``compile/`` inside it. ``hf-accel cache info``
@@ -68,19 +69,18 @@ def default_cache_dir() -> Path:
 
 
 def versions() -> dict[str, str]:
-    """What compiled code depends on besides the model. The torch install's location too: inductor's compiled
-    C++ is keyed on its include paths, so another virtual environment recompiles it (a "warm" compile took 13 s
-    there, not 3), and its timings must not be counted as warm."""
     import transformers
 
     from hf_accel.version import __version__
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "hf_accel": __version__,
-            "torch_at": str(Path(torch.__file__).resolve().parent)}
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "hf_accel": __version__}
 
 
 def fingerprint(model: nn.Module, layer: nn.Module, kind: str, **settings: Any) -> dict[str, Any]:
-    """What a compiled decoder layer depends on, versions apart (see :func:`versions`)."""
+    """What a compiled decoder layer depends on, versions apart (see :func:`versions`). Where torch is installed
+    too: inductor keys its compiled C++ on the install's include paths, so another virtual environment compiles
+    it anew (a compile the store expected to take ~3 s took 13 s there); its entries are its own, and two
+    environments sharing the cache directory keep theirs side by side."""
     config = model.config.get_text_config(decoder=True).to_dict()
     for volatile in ("_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype"):
         config.pop(volatile, None)
@@ -95,6 +95,7 @@ def fingerprint(model: nn.Module, layer: nn.Module, kind: str, **settings: Any) 
         "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16],
         "layer": hashlib.sha256(json.dumps([structure, tensors]).encode()).hexdigest()[:16],
         "settings": {k: v for k, v in sorted(settings.items())},
+        "torch_at": str(Path(torch.__file__).resolve().parent),
     }
 
 
@@ -312,8 +313,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _versions_text(v: dict[str, Any]) -> str:
-    named = ", ".join(f"{k} {v.get(k)}" for k in ("torch", "transformers", "hf_accel"))
-    return f"{named} (torch at {v.get('torch_at')})"
+    return ", ".join(f"{k} {v.get(k)}" for k in ("torch", "transformers", "hf_accel"))
 
 
 def _now() -> str:

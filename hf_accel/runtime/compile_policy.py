@@ -74,7 +74,7 @@ class CompilePolicy:
         :param eager_seconds: time the model's decode steps have run eagerly waiting for this shape class.
         :param call_remaining: eager seconds the rest of the current call is expected to take.
         :param measured_saving: the fraction of a decode step compiling saved on this machine before (see
-            :class:`StepTimes`), instead of ``saved_fraction``."""
+            :class:`StepTimer`), instead of ``saved_fraction``."""
         seconds, source = estimate
         if self.when == "first_use":
             return Decision(True, f"compiled at first use (compile_when='first_use'; {source})")
@@ -88,7 +88,6 @@ class CompilePolicy:
             return Decision(True, f"compiled: {account}, more than the ~{seconds:.1f} s compiling takes ({source})")
         return Decision(False, f"eager for now: compiling is expected to take ~{seconds:.1f} s ({source}); "
                                f"{account} (compile_when='first_use' compiles at once)")
-
 
 
 @dataclass
