@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -85,6 +86,14 @@ def smollm2():
 
     model, tokenizer = load_default_model()
     return model, tokenizer
+
+
+def edit_index(store: Path, change) -> None:
+    """Apply ``change`` to every entry of the compile cache index in ``store`` (its ``compile`` directory)."""
+    index = json.loads((store / "index.json").read_text())
+    for entry in index["entries"].values():
+        change(entry)
+    (store / "index.json").write_text(json.dumps(index))
 
 
 def state_dict_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import left_padded_batch, make_tiny_model
+from conftest import edit_index, left_padded_batch, make_tiny_model
 
 import hf_accel
 from hf_accel.runtime.compile_policy import WARM_COMPILE_SECONDS
@@ -47,13 +47,6 @@ def generate_patched(seed: int = 0, **options) -> tuple[torch.nn.Module, dict]:
 
 def entries(store) -> dict:
     return json.loads((store / "index.json").read_text())["entries"]
-
-
-def edit_index(store, change) -> None:
-    index = json.loads((store / "index.json").read_text())
-    for entry in index["entries"].values():
-        change(entry)
-    (store / "index.json").write_text(json.dumps(index))
 
 
 SHAPE = "LlamaDecoderLayer, batch 1, 1 token"

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, left_padded_batch, make_tiny_model
+from conftest import VOCAB, edit_index, left_padded_batch, make_tiny_model
 
 import hf_accel
 from hf_accel.runtime import compiled_step
@@ -403,11 +401,7 @@ def test_what_compiling_saved_is_kept_and_a_later_process_compiles_sooner_for_it
     assert torch.equal(greedy(second, ids, mask, 6), expected[:, :ids.shape[1] + 6])
     details = compile_details(second)
     assert (details["graphs_compiled"], details["eager_steps"], details["compiled_steps"]) == (1, 4, 1)
-    index_file = empty_store / "compile" / "index.json"  # the same store without the measurement
-    index = json.loads(index_file.read_text())
-    for entry in index["entries"].values():
-        del entry["saved_fraction"]
-    index_file.write_text(json.dumps(index))
+    edit_index(empty_store / "compile", lambda entry: entry.pop("saved_fraction"))  # the same store, unmeasured
     third = patched()
     assert torch.equal(greedy(third, ids, mask, 6), expected[:, :ids.shape[1] + 6])
     assert (compile_details(third)["graphs_compiled"], compile_details(third)["eager_steps"]) == (0, 5)
