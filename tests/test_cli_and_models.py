@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 
 import pytest
 import torch
@@ -152,6 +153,19 @@ def test_bench_patch_option_adds_a_configuration(tiny_model_dir, tmp_path):
                  "--patch", "speculative=ngram,num_draft_tokens=4,compile=none", "--json", str(out)]) == 0
     configs = {r["config"] for r in json.loads(out.read_text())}
     assert configs == {"stock", "hf_accel patch(speculative=ngram,num_draft_tokens=4,compile=none)"}
+
+
+def test_bench_warm_up_honours_the_calls_min_new_tokens(tiny_model_dir, tmp_path):
+    """The stock warm-up's short call used to ask for 8 tokens with min_new_tokens=16, and transformers warned."""
+    out = tmp_path / "rows.json"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["bench", "--model", str(tiny_model_dir), "--max-new-tokens", "20", "--configs", "compile=none",
+                     "--patch", "speculative=ngram,compile=none", "--generate", "min_new_tokens=16",
+                     "--json", str(out)]) == 0
+    assert not [w for w in caught if "min_new_tokens" in str(w.message)]
+    rows = json.loads(out.read_text())
+    assert {r["config"] for r in rows} == {"stock", "hf_accel patch(speculative=ngram,compile=none)"}
 
 
 @pytest.mark.parametrize("value, message", [("speculative", "KEY=VALUE"), ("speculative=warp", "Unknown speculative")])

@@ -255,8 +255,15 @@ def _warm_up(model, inputs, config: BenchConfig, max_new_tokens: int) -> float:
     meets most chunk widths."""
     start = time.perf_counter()
     whole = config.warmup_each_prompt or config.patch_kwargs is not None
-    timed_generate(model, inputs, max_new_tokens if whole else 8, **config.generate_kwargs)
+    tokens = max_new_tokens if whole else _short_call(config.generate_kwargs)
+    timed_generate(model, inputs, tokens, **config.generate_kwargs)
     return time.perf_counter() - start
+
+
+def _short_call(generate_kwargs: dict[str, Any]) -> int:
+    """The new tokens of a warm-up that only has to run once: 8, or the call's own ``min_new_tokens`` (a budget
+    under it makes transformers warn that the settings cannot both hold)."""
+    return max(8, int(generate_kwargs.get("min_new_tokens") or 0))
 
 
 def _prompt_length(inputs: dict[str, torch.Tensor]) -> int:
