@@ -7,8 +7,7 @@ It runs the model's own forward; its decoder layers (see :mod:`hf_accel.runtime.
 kind of layer and shape class, compiled on the side from a real call's inputs, checked against the eager
 layer on that call, and afterwards only looked up: a call never compiles by surprise. Until a shape class
 is compiled its layers run eagerly, and :class:`~hf_accel.runtime.compile_policy.CompilePolicy` decides when
-compiling it is worth the wait. Compiled artifacts are kept in a
-:class:`~hf_accel.runtime.compile_cache.CompileStore` so that later processes load them instead of compiling.
+compiling pays; a :class:`~hf_accel.runtime.compile_cache.CompileStore` keeps what it compiled for later processes.
 
 Shapes stay fixed per cache: its length is a bucket (a multiple of :data:`BUCKET`) reused by every later call
 that fits. Batch size, chunk width and cache length are dynamic in the graphs, so other prompts, batch sizes
@@ -299,8 +298,8 @@ class CompiledDecodeStep:
     def _decide(self, shape: ShapeClass) -> Decision:
         # Each shape class pays for itself: time lost on batch 1 does not buy a compile of batch > 1.
         spent_in_call = self.stats.eager_seconds - self._call_start
-        estimate, stored = self._estimate(shape), self._stored[shape]
-        decision = self.policy.decide(estimate, self._waited.get(shape, 0.0),
+        stored = self._stored_for(shape)
+        decision = self.policy.decide(self._estimate(shape), self._waited.get(shape, 0.0),
                                       max(self._call_forecast - spent_in_call, 0.0),
                                       stored.saved_fraction if stored is not None else None)
         if self._decisions.get(shape) != decision:
@@ -309,12 +308,14 @@ class CompiledDecodeStep:
             self._publish()
         return decision
 
+    def _stored_for(self, shape: ShapeClass) -> Stored | None:
+        """What the compile store knows of ``shape``, read once: it changes only when this step compiles it."""
+        if shape not in self._stored and self.store is not None:
+            self._stored[shape] = self.store.lookup(self._fingerprint(shape.kind), shape)
+        return self._stored.get(shape)
+
     def _estimate(self, shape: ShapeClass) -> tuple[float, str]:
-        # The store is read once per shape class: what it says changes only when this step compiles the class.
-        if shape not in self._stored:
-            fp = self._fingerprint(shape.kind)
-            self._stored[shape] = self.store.lookup(fp, shape) if self.store is not None else None
-        stored = self._stored[shape]
+        stored = self._stored_for(shape)
         if stored is not None:
             return stored.warm_seconds or self.policy.warm_estimate, _FROM_STORE
         return self.policy.cold_estimate, "not compiled on this machine before"
