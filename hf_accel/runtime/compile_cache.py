@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -165,26 +165,27 @@ class CompileStore:
 
     def record(self, fp: dict[str, Any], shape: Any, seconds: float, warm: bool) -> None:
         """Keep a compiled shape class and how long compiling it took (``warm``: the store already had it)."""
-        key = _key(fp, shape)
-        try:
-            with self._locked_index() as index:
-                entry = index["entries"].get(key)
-                entry = entry if _well_formed_entry(entry) else {}
-                entry.update(fingerprint=fp, versions=versions(), shape=str(shape),
-                             created=entry.get("created", _now()))
-                entry["warm_seconds" if warm else "cold_seconds"] = round(seconds, 3)
-                index["entries"][key] = entry
-        except OSError as exc:
-            self._warn_unwritable(exc)
+        def edit(entry: Any) -> dict[str, Any]:
+            entry = entry if _well_formed_entry(entry) else {}
+            entry.update(fingerprint=fp, versions=versions(), shape=str(shape), created=entry.get("created", _now()))
+            entry["warm_seconds" if warm else "cold_seconds"] = round(seconds, 3)
+            return entry
+
+        self._edit_entry(fp, shape, edit)
 
     def record_saving(self, fp: dict[str, Any], shape: Any, fraction: float) -> None:
         """Keep what compiling ``shape`` saved of a decode step here (the shape class must be recorded)."""
+        self._edit_entry(fp, shape, lambda entry: {**entry, "saved_fraction": fraction}
+                         if _well_formed_entry(entry) else None)
+
+    def _edit_entry(self, fp: dict[str, Any], shape: Any, edit: Callable[[Any], dict[str, Any] | None]) -> None:
+        """Replace the index's entry for ``shape`` by ``edit(entry)`` (None: leave it), under the index's lock."""
         key = _key(fp, shape)
         try:
             with self._locked_index() as index:
-                entry = index["entries"].get(key)
-                if _well_formed_entry(entry):
-                    entry["saved_fraction"] = fraction
+                entry = edit(index["entries"].get(key))
+                if entry is not None:
+                    index["entries"][key] = entry
         except OSError as exc:
             self._warn_unwritable(exc)
 
