@@ -207,6 +207,25 @@ def test_bench_labels_a_configuration_whose_feature_was_not_applied():
     assert _not_applied(model, {"attention": "sdpa_flash"}) == ""
 
 
+def test_the_summary_sets_each_configuration_against_llama_cpp_prompt_by_prompt():
+    from hf_accel.tools.bench.steady import LLAMA_CPP, Row
+    from hf_accel.tools.bench.tables import summary_table
+
+    def rows(config, rates):
+        return [Row(config=config, group="g", prompt=f"{category}:p", prompt_category=category, tokens=8,
+                    tokens_per_s=rate, tokens_per_s_min=rate, tokens_per_s_max=rate, ttft_s=0.1, warmup_s=0.0)
+                for category, rate in zip(CATEGORIES, rates)]
+
+    fast_on_chat_and_code = rows("ours", [40.0, 40.0, 10.0, 10.0])
+    table = summary_table(rows("stock", [10.0, 10.0, 10.0, 10.0]) + fast_on_chat_and_code
+                          + rows(LLAMA_CPP, [20.0, 20.0, 20.0, 20.0]))
+    assert "| vs llama.cpp (geo-mean) | input-grounded |" in table.splitlines()[0]
+    # 2x, 2x, 0.5x, 0.5x: 1.00x over every prompt, 0.50x over summarize and edit
+    assert "| ours | 25.0 | 1.00x | 4/4 | - | 1.00x | 0.50x |" in table.splitlines()
+    assert "| stock | 10.0 | 1.00x | 4/4 | - | 0.50x | 0.50x |" in table.splitlines()
+    assert "llama.cpp" not in summary_table(fast_on_chat_and_code).splitlines()[0]  # no columns without its rows
+
+
 def test_against_llama_cpp_without_the_package_names_the_install(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else real(name))

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 CATEGORIES = ("chat", "code", "summarize", "edit")
+#: Categories whose answers quote their input, where prompt lookup drafts well.
+INPUT_GROUNDED = ("summarize", "edit")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,10 @@ class BenchConfig:
     warmup_each_prompt: bool = False  # compiled configurations recompile for each prompt length
 
 
+#: The configuration name of the llama.cpp rows (``--against llama.cpp``).
+LLAMA_CPP = "llama.cpp (GGUF as shipped)"
+
+
 @dataclass
 class Row:
     config: str
@@ -303,7 +307,7 @@ def run_llama_cpp(gguf_file: str | Path, encoded: list[dict[str, torch.Tensor]],
         speeds = [len(tokens) / seconds for tokens, seconds, _ in runs]
         tokens = runs[0][0]
         reference = stock_tokens[key][0].tolist() if key in stock_tokens else None
-        rows.append(Row(config="llama.cpp (GGUF as shipped)", group="other", prompt=key,
+        rows.append(Row(config=LLAMA_CPP, group="other", prompt=key,
                         prompt_category=prompt.category, tokens=len(tokens), tokens_per_s=statistics.median(speeds),
                         tokens_per_s_min=min(speeds), tokens_per_s_max=max(speeds),
                         ttft_s=statistics.median(r[2] for r in runs), warmup_s=load_s,

@@ -7,7 +7,8 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from hf_accel.tools.bench.steady import Row
+from hf_accel.tools.bench.steady import LLAMA_CPP, Row
+from hf_accel.tools.prompts import INPUT_GROUNDED
 
 
 def format_table(rows: list[Row]) -> str:
@@ -29,14 +30,18 @@ def format_table(rows: list[Row]) -> str:
 
 
 def summary_table(rows: list[Row]) -> str:
-    """Per configuration: geometric-mean speedup over the prompts, and whether every output was identical."""
+    """Per configuration: geometric-mean speedup over the prompts, and whether every output was identical; with
+    llama.cpp rows, also the geometric mean of each prompt's tok/s over llama.cpp's, over every prompt and over
+    the input-grounded ones (:data:`~hf_accel.tools.prompts.INPUT_GROUNDED`)."""
     by_config: dict[str, list[Row]] = {}
     for r in rows:
         by_config.setdefault(r.config, []).append(r)
+    llama = {r.prompt: r.tokens_per_s for r in by_config.get(LLAMA_CPP, ())}
     quality = any(r.perplexity is not None for r in rows)
     head = ("| config | mean tok/s | speedup (geo-mean) | identical | compile s |"
+            + (" vs llama.cpp (geo-mean) | input-grounded |" if llama else "")
             + (" perplexity | weights MB |" if quality else ""))
-    lines = [head, "| --- " * (5 + 2 * quality) + "|"]
+    lines = [head, "| --- " * (5 + 2 * bool(llama) + 2 * quality) + "|"]
     for name, group in by_config.items():
         geo = statistics.geometric_mean(r.speedup for r in group)
         tps = statistics.mean(r.tokens_per_s for r in group)
@@ -45,11 +50,20 @@ def summary_table(rows: list[Row]) -> str:
         line = f"| {_cell(name)} | {tps:.1f} | {geo:.2f}x | {same}/{len(group)}"
         line += f" ({statistics.mean(agreement):.0%} of tokens) |" if agreement and same < len(group) else " |"
         line += f" {'-' if group[0].compile_s is None else f'{group[0].compile_s:.1f}'} |"
+        if llama:
+            grounded = [r for r in group if r.prompt_category in INPUT_GROUNDED]
+            line += f" {_against(group, llama)} | {_against(grounded, llama)} |"
         if quality:
             ppl, mb = group[0].perplexity, group[0].weight_mb
             line += f" {'-' if ppl is None else f'{ppl:.3f}'} | {'-' if mb is None else f'{mb:.0f}'} |"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _against(group: list[Row], reference: dict[str, float]) -> str:
+    """The geometric mean of each row's tok/s over the reference's on the same prompt ("-" with none to compare)."""
+    ratios = [r.tokens_per_s / reference[r.prompt] for r in group if reference.get(r.prompt)]
+    return f"{statistics.geometric_mean(ratios):.2f}x" if ratios else "-"
 
 
 def _cell(value: object) -> str:
