@@ -168,6 +168,19 @@ def test_bench_warm_up_honours_the_calls_min_new_tokens(tiny_model_dir, tmp_path
     assert {r["config"] for r in rows} == {"stock", "hf_accel patch(speculative=ngram,compile=none)"}
 
 
+@pytest.mark.parametrize("settings, prompt, budget, tokens", [
+    ({}, 10, 128, 8),
+    ({"min_new_tokens": 16}, 10, 128, 16),
+    ({"min_length": 40}, 10, 128, 30),  # min_length counts the prompt
+    ({"min_new_tokens": 200}, 10, 128, 128),  # never past the timed calls' budget
+    ({"min_new_tokens": 16}, 10, 4, 8),  # a budget under 8: the warm-up still asks for 8, as before
+])
+def test_the_short_warm_up_asks_for_what_the_settings_need(settings, prompt, budget, tokens):
+    from hf_accel.tools.bench.steady import _short_call
+
+    assert _short_call(settings, prompt, budget) == tokens
+
+
 @pytest.mark.parametrize("value, message", [("speculative", "KEY=VALUE"), ("speculative=warp", "Unknown speculative")])
 def test_bench_patch_option_errors(value, message, capsys):
     assert main(["bench", "--patch", value]) == 2

@@ -309,7 +309,7 @@ class CompiledDecodeStep:
         return decision
 
     def _stored_for(self, shape: ShapeClass) -> Stored | None:
-        """What the compile store knows of ``shape``, read once: it changes only when this step compiles it."""
+        """What the compile store knows of ``shape``, read once per shape class (later changes are not seen)."""
         if shape not in self._stored and self.store is not None:
             self._stored[shape] = self.store.lookup(self._fingerprint(shape.kind), shape)
         return self._stored.get(shape)

@@ -259,15 +259,18 @@ def _warm_up(model, inputs, config: BenchConfig, max_new_tokens: int) -> float:
     meets most chunk widths."""
     start = time.perf_counter()
     whole = config.warmup_each_prompt or config.patch_kwargs is not None
-    tokens = max_new_tokens if whole else _short_call(config.generate_kwargs)
+    tokens = max_new_tokens if whole else _short_call(config.generate_kwargs, _prompt_length(inputs), max_new_tokens)
     timed_generate(model, inputs, tokens, **config.generate_kwargs)
     return time.perf_counter() - start
 
 
-def _short_call(generate_kwargs: dict[str, Any]) -> int:
-    """The new tokens of a warm-up that only has to run once: 8, or the call's own ``min_new_tokens`` (a budget
-    under it makes transformers warn that the settings cannot both hold)."""
-    return max(8, int(generate_kwargs.get("min_new_tokens") or 0))
+def _short_call(generate_kwargs: dict[str, Any], prompt_length: int, max_new_tokens: int) -> int:
+    """The new tokens of a warm-up that only has to run once: 8, or what the call's ``min_new_tokens`` or
+    ``min_length`` ask for (a budget under them makes transformers warn that the settings cannot both hold),
+    but never more than the timed calls' own budget when that is larger than 8."""
+    wanted = max(8, int(generate_kwargs.get("min_new_tokens") or 0),
+                 int(generate_kwargs.get("min_length") or 0) - prompt_length)
+    return min(wanted, max(8, max_new_tokens))
 
 
 def _prompt_length(inputs: dict[str, torch.Tensor]) -> int:
