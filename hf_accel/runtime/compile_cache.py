@@ -291,11 +291,13 @@ def _well_formed(index: Any) -> bool:
 
 
 def _well_formed_entry(entry: Any) -> bool:
+    if not isinstance(entry, dict):
+        return False
     seconds_ok = all(isinstance(entry.get(k), (int, float)) or entry.get(k) is None
-                     for k in ("cold_seconds", "warm_seconds")) if isinstance(entry, dict) else False
-    saving = entry.get("saved_fraction") if isinstance(entry, dict) else None
-    seconds_ok = seconds_ok and (saving is None or valid_saving(saving))
-    return (seconds_ok and isinstance(entry.get("fingerprint"), dict) and isinstance(entry.get("versions"), dict))
+                     for k in ("cold_seconds", "warm_seconds"))
+    saving = entry.get("saved_fraction")
+    return (seconds_ok and (saving is None or valid_saving(saving)) and isinstance(entry.get("fingerprint"), dict)
+            and isinstance(entry.get("versions"), dict))
 
 
 def _model_label(fp: dict[str, Any]) -> str:
