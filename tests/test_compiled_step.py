@@ -9,7 +9,7 @@ from conftest import VOCAB, edit_index, left_padded_batch, make_tiny_model
 
 import hf_accel
 from hf_accel.runtime import compiled_step
-from hf_accel.runtime.regions import ShapeClass
+from hf_accel.runtime.regions import ShapeClass, cache_argument
 from hf_accel_plugins import compile_inductor
 from hf_accel_plugins.compile_inductor import InductorCompiler
 
@@ -66,6 +66,43 @@ def test_the_default_eager_layers_are_token_identical_batch_3_and_1_past_the_win
     details = compile_details(tiny_model)
     assert details["graphs_compiled"] == 0 and details["eager_steps"] == 39 + 29 and details["failure"] is None
     assert all(status.startswith("eager for now") for status in details["shapes"].values())
+
+
+@pytest.fixture
+def poisoned_free_slots(monkeypatch):
+    """During every decode step, the static cache's slots past the ones the step fills hold NaN (put back after
+    it): an attention that reads them, even masked, turns its output into NaN."""
+    real = compiled_step.CompiledDecodeStep.__call__
+
+    def call(step, *args, **kwargs):
+        cache = cache_argument(args, kwargs)[1]
+        start = int(cache.layers[0].cumulative_length) + kwargs["input_ids"].shape[1]
+        free = [tensor[:, :, start:] for layer in cache.layers for tensor in (layer.keys, layer.values)]
+        held = [tensor.clone() for tensor in free]
+        for tensor in free:
+            tensor.fill_(float("nan"))
+        try:
+            return real(step, *args, **kwargs)
+        finally:
+            for tensor, before in zip(free, held):
+                tensor.copy_(before)
+
+    monkeypatch.setattr(compiled_step.CompiledDecodeStep, "__call__", call)
+
+
+@pytest.mark.parametrize("when", ["auto", "first_use"])
+def test_layers_read_only_the_filled_slots_of_the_fixed_length_cache(tiny_model, when, empty_store,
+                                                                     poisoned_free_slots):
+    """Eager (auto, nothing compiled yet) and compiled layers alike: attention over a bucket's unfilled slots is
+    work for nothing (they are masked), so the layers read only the filled ones."""
+    ids, mask = left_padded_batch(tiny_model)
+    expected_batch, expected_single = greedy(tiny_model, ids, mask), greedy(tiny_model, ids[:1], n=30)
+    hf_accel.patch(tiny_model, compile="inductor", speculative=None, compile_when=when)
+    assert torch.equal(greedy(tiny_model, ids, mask), expected_batch)
+    assert torch.equal(greedy(tiny_model, ids[:1], n=30), expected_single)
+    details = compile_details(tiny_model)
+    assert details["failure"] is None and details["misses"] == 0
+    assert details["compiled_steps" if when == "first_use" else "eager_steps"] >= 39 + 29 - 2
 
 
 @pytest.mark.parametrize("when", ["auto", "first_use"])

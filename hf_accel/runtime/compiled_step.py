@@ -41,6 +41,7 @@ from hf_accel.runtime.compile_policy import CompilePolicy, Decision, StepTimer
 from hf_accel.runtime.generation import cache_keyword
 from hf_accel.runtime.kv_cache import BufferPool, RollbackStaticCache
 from hf_accel.runtime.layer_graphs import (
+    GRAPH_INPUTS,
     CompileStats,
     GraphCompiler,
     RegionGraphs,
@@ -48,7 +49,9 @@ from hf_accel.runtime.layer_graphs import (
     describe_failure,
     disagreement,
     eager_layer,
+    graph_arguments,
     separate_symbols,
+    side_graph_arguments,
 )
 from hf_accel.runtime.regions import (
     ACTIVE_RUN,
@@ -61,9 +64,7 @@ from hf_accel.runtime.regions import (
     is_routed,
     route,
     shape_class,
-    side_inputs,
     tensors_in,
-    without_cache,
 )
 
 logger = logging.getLogger(__name__)
@@ -278,9 +279,9 @@ class CompiledDecodeStep:
         """The compiled graph (looked up, never compiled here). If it raises, the cache's index is put back,
         the layer runs eagerly, and the step stays eager from then on."""
         misses, written_from = graphs.misses[0], layer_cache.cumulative_length.clone()
-        rest_args, rest_kwargs = without_cache(args, kwargs, slot)
+        span, rest_args, rest_kwargs = graph_arguments(layer_cache, slot, args, kwargs)
         try:
-            out = graphs.run(region.layer, layer_cache, slot, *rest_args, **rest_kwargs)
+            out = graphs.run(region.layer, layer_cache, slot, span, *rest_args, **rest_kwargs)
         except Exception as exc:  # an inductor runtime assert, out of memory, ...
             layer_cache.cumulative_length.copy_(written_from)  # the eager run rewrites the same slots
             self._fail(f"running the compiled {shape} graph raised {describe_failure(exc)}")
@@ -359,10 +360,9 @@ class CompiledDecodeStep:
         when there is one. If the store had this shape class and compiling from it fails, the store is
         emptied and the compile retried once."""
         def attempt() -> tuple[Any, Any]:
-            side_args, side_kwargs, scratch = side_inputs(*without_cache(args, kwargs, slot), layer_cache,
-                                                          layer_cache.max_cache_len)
+            span, side_args, side_kwargs, scratch = side_graph_arguments(layer_cache, slot, args, kwargs)
             with separate_symbols(), (self.store.compiling(self.backend) if self.store is not None else nullcontext()):
-                return graphs.compile(region.layer, scratch, slot, *side_args, **side_kwargs), scratch
+                return graphs.compile(region.layer, scratch, slot, span, *side_args, **side_kwargs), scratch
 
         try:
             return attempt()
@@ -382,8 +382,8 @@ class CompiledDecodeStep:
     def _fingerprint(self, kind: str) -> dict[str, Any]:
         if kind not in self._fingerprints:
             layer = next(r.layer for r in self.regions.values() if r.kind == kind)
-            self._fingerprints[kind] = fingerprint(self.model, layer, kind, compiler=type(self.backend).__name__,
-                                                   mode=self.backend.mode, tolerance=self.tolerance)
+            settings = {"compiler": type(self.backend).__name__, "mode": self.backend.mode, "tolerance": self.tolerance}
+            self._fingerprints[kind] = fingerprint(self.model, layer, kind, inputs=GRAPH_INPUTS, **settings)
         return self._fingerprints[kind]
 
     def _fail(self, reason: str) -> None:

@@ -19,6 +19,7 @@ from hf_accel.runtime.regions import (
     LayerCacheView,
     Region,
     hidden_states_of,
+    side_inputs,
     with_cache,
     without_cache,
 )
@@ -43,6 +44,11 @@ class GraphCompiler(Protocol):
         """While a compile runs: keep the code it produces under ``directory`` (the compile store's), and
         reuse what is there."""
         ...
+
+
+#: What a layer's graph is called with (see :func:`graph_arguments`): part of a stored graph's key, so that
+#: entries stored for graphs called otherwise are not taken for ones compiled before.
+GRAPH_INPUTS = "layer, cache layer, cache slot, filled span, arguments"
 
 
 @dataclass
@@ -72,10 +78,12 @@ class RegionGraphs:
 
 
 def _region_body(misses: list[int]) -> Callable[..., Any]:
-    def region(layer: nn.Module, layer_cache: Any, cache_slot: int | str, *args: Any, **kwargs: Any) -> Any:
+    def region(layer: nn.Module, layer_cache: Any, cache_slot: int | str, span: torch.Tensor | None, *args: Any,
+               **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():  # only runs as Python when no graph matched
             misses[0] += 1
-        args, kwargs = with_cache(args, kwargs, cache_slot, LayerCacheView(layer_cache))
+        view = LayerCacheView(layer_cache) if span is None else FilledLayerView(layer_cache, span.shape[0])
+        args, kwargs = with_cache(args, kwargs, cache_slot, view)
         return type(layer).forward(layer, *args, **kwargs)
 
     return region
@@ -89,21 +97,59 @@ def _function_named(function: types.FunctionType, name: str) -> types.FunctionTy
 
 def eager_layer(region: Region, layer_cache: Any, slot: int | str, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
-    """The layer's own forward. Its attention reads only the cache's filled slots (the rest are masked: same
-    result, less work) where every input that spans the cache's length is a 4-D mask that can be cut with the
-    keys and values; otherwise (a per-key bias such as Bloom's alibi, a mask object) it reads them all."""
-    length = layer_cache.max_cache_len
-    rest_args, rest_kwargs = without_cache(args, kwargs, slot)
-    if not all(cuttable(value, length) for value in (*rest_args, *rest_kwargs.values())):
+    """The layer's own forward, its attention over the cache's filled slots where the call can be cut to them
+    (see :func:`cut_to_filled`), else over them all."""
+    cut = cut_to_filled(layer_cache, *without_cache(args, kwargs, slot))
+    if cut is None:
         return type(region.layer).forward(region.layer, *args, **kwargs)
+    rest_args, rest_kwargs, filled = cut
+    args, kwargs = with_cache(rest_args, rest_kwargs, slot, FilledLayerView(layer_cache, filled))
+    return type(region.layer).forward(region.layer, *args, **kwargs)
+
+
+def graph_arguments(layer_cache: Any, slot: int | str, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What a layer's graph is called with after the layer, its cache layer and the cache's slot: the span of
+    filled slots its attention reads (a zero-byte ``[filled, 0]`` tensor, whose length the graph leaves
+    dynamic; None for all of them), then the call's arguments without the cache, cut to match.
+
+    Cut on CPU only: there reading the slots is the cost, while on a GPU reading the filled count would
+    wait for the device, and CUDA graphs want fixed shapes."""
+    args, kwargs = without_cache(args, kwargs, slot)
+    cut = cut_to_filled(layer_cache, args, kwargs) if layer_cache.keys.device.type == "cpu" else None
+    if cut is None:
+        return None, args, kwargs
+    rest_args, rest_kwargs, filled = cut
+    return layer_cache.keys.new_empty(filled, 0), rest_args, rest_kwargs
+
+
+def side_graph_arguments(layer_cache: Any, slot: int | str, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """:func:`graph_arguments` for compiling on the side: copies of the arguments with every size that varies
+    between calls marked dynamic (see :func:`~hf_accel.runtime.regions.side_inputs`), and the scratch cache
+    layer the compiled graph writes instead of the real one (last)."""
+    span, args, kwargs = graph_arguments(layer_cache, slot, args, kwargs)
+    if span is not None:
+        torch._dynamo.maybe_mark_dynamic(span, 0)
+    side_args, side_kwargs, scratch = side_inputs(args, kwargs, layer_cache, layer_cache.max_cache_len,
+                                                  None if span is None else len(span))
+    return span, side_args, side_kwargs, scratch
+
+
+def cut_to_filled(layer_cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """A layer call's arguments (the cache left out) with every 4-D mask over the cache's slots cut to the
+    filled ones (this call's included), and their count; None where an input spanning the cache's length
+    cannot be cut with the keys and values (a per-key bias such as Bloom's alibi, a mask object)."""
+    length = layer_cache.max_cache_len
+    if not all(cuttable(value, length) for value in (*args, *kwargs.values())):
+        return None
     filled = int(layer_cache.cumulative_length) + hidden_states_of(args, kwargs).shape[1]
 
-    def cut(value: Any) -> Any:
-        return value[..., :filled] if isinstance(value, torch.Tensor) and value.dim() == 4 else value
+    def cut(value: Any) -> Any:  # contiguous, as the graph was compiled from (its guards check strides)
+        spans_cache = isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[-1] == length
+        return value[..., :filled].contiguous() if spans_cache else value
 
-    args, kwargs = with_cache(tuple(map(cut, rest_args)), {k: cut(v) for k, v in rest_kwargs.items()}, slot,
-                              FilledLayerView(layer_cache))
-    return type(region.layer).forward(region.layer, *args, **kwargs)
+    return tuple(map(cut, args)), {name: cut(value) for name, value in kwargs.items()}, filled
 
 
 def cuttable(value: Any, length: int) -> bool:

@@ -145,14 +145,19 @@ class LayerCacheView:
 
 
 class FilledLayerView(LayerCacheView):
-    """One static cache layer for an *eager* layer call: attention reads the filled slots only, not the whole
-    fixed length (the slots past them are masked, so the result is the same, at a fraction of the work)."""
+    """One static cache layer whose attention reads only its first ``filled`` slots (those written so far, this
+    call's included), not the whole fixed length: the slots past them are masked, so the result is the same at
+    a fraction of the work. ``filled`` is an int in an eager call, a size the graph leaves dynamic in a
+    compiled one."""
+
+    def __init__(self, layer: Any, filled: Any) -> None:
+        super().__init__(layer)
+        self.filled = filled
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.layer.update(key_states, value_states, *args, **kwargs)
-        filled = int(self.layer.cumulative_length)
-        return keys[:, :, :filled], values[:, :, :filled]
+        return keys[:, :, : self.filled], values[:, :, : self.filled]
 
 
 def cache_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | str, Cache] | None:
@@ -191,10 +196,11 @@ def shape_class(region: Region, hidden: torch.Tensor) -> ShapeClass:
     return ShapeClass(region.kind, hidden.shape[0] == 1, hidden.shape[1] == 1)
 
 
-def side_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], layer_cache: Any,
-                cache_length: int) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+def side_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], layer_cache: Any, cache_length: int,
+                filled: int | None = None) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
     """Copies of a layer call's inputs for compiling on the side (the real call runs eagerly), with the batch,
-    chunk-width and cache-length dimensions marked dynamic so that one graph serves every size.
+    chunk-width and cache-length dimensions (and a 4-D mask's last one, cut to ``filled`` slots) marked
+    dynamic so that one graph serves every size.
 
     Dimensions are told apart by position, not only size: a layer's inputs are ``[batch, ...]`` with the chunk
     width or the cache length further on (hidden states, position ids, rotary tables, the 4-D mask), and the
@@ -211,7 +217,7 @@ def side_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], layer_cache: Any,
             if dim == 0 and len(shape) > 1:
                 if size == batch and batch > 1:
                     yield dim
-            elif size == cache_length or (size == width and width > 1):
+            elif size == cache_length or (size == width and width > 1) or (dim == 3 and size == filled):
                 yield dim
 
     def duplicate(value: Any) -> Any:
