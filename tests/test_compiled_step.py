@@ -70,11 +70,15 @@ def test_the_default_eager_layers_are_token_identical_batch_3_and_1_past_the_win
 
 @pytest.fixture
 def poisoned_free_slots(monkeypatch):
-    """During every decode step, the static cache's slots past the ones the step fills hold NaN (put back after
-    it): an attention that reads them, even masked, turns its output into NaN."""
+    """Once switched on (``poisoned_free_slots[0] = True``), during every decode step the static cache's slots
+    past the ones the step fills hold NaN, put back after it: an attention that reads them, even masked, turns
+    its output into NaN. Compiles check a new graph against the layer reading every slot, so they run before."""
     real = compiled_step.CompiledDecodeStep.__call__
+    switch = [False]
 
     def call(step, *args, **kwargs):
+        if not switch[0]:
+            return real(step, *args, **kwargs)
         cache = cache_argument(args, kwargs)[1]
         start = int(cache.layers[0].cumulative_length) + kwargs["input_ids"].shape[1]
         free = [tensor[:, :, start:] for layer in cache.layers for tensor in (layer.keys, layer.values)]
@@ -88,21 +92,60 @@ def poisoned_free_slots(monkeypatch):
                 tensor.copy_(before)
 
     monkeypatch.setattr(compiled_step.CompiledDecodeStep, "__call__", call)
+    return switch
 
 
 @pytest.mark.parametrize("when", ["auto", "first_use"])
 def test_layers_read_only_the_filled_slots_of_the_fixed_length_cache(tiny_model, when, empty_store,
                                                                      poisoned_free_slots):
-    """Eager (auto, nothing compiled yet) and compiled layers alike: attention over a bucket's unfilled slots is
+    """Eager (auto, nothing compiled) and compiled layers alike: attention over a bucket's unfilled slots is
     work for nothing (they are masked), so the layers read only the filled ones."""
     ids, mask = left_padded_batch(tiny_model)
     expected_batch, expected_single = greedy(tiny_model, ids, mask), greedy(tiny_model, ids[:1], n=30)
     hf_accel.patch(tiny_model, compile="inductor", speculative=None, compile_when=when)
+    greedy(tiny_model, ids, mask), greedy(tiny_model, ids[:1], n=30)  # compiles both shape classes (first_use)
+    steps = compile_details(tiny_model)["compiled_steps"]
+    poisoned_free_slots[0] = True
     assert torch.equal(greedy(tiny_model, ids, mask), expected_batch)
     assert torch.equal(greedy(tiny_model, ids[:1], n=30), expected_single)
     details = compile_details(tiny_model)
     assert details["failure"] is None and details["misses"] == 0
-    assert details["compiled_steps" if when == "first_use" else "eager_steps"] >= 39 + 29 - 2
+    assert details["compiled_steps"] - steps == (39 + 29 if when == "first_use" else 0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_the_speculative_loops_chunks_and_self_drafts_read_only_the_filled_slots(arch, poisoned_free_slots):
+    """Verification chunks, drafts written past the target's slots in its own cache, rows realigned after
+    accepting different numbers of tokens: every compiled forward reads only the filled slots."""
+    model = make_tiny_model(arch)
+    ids, mask = left_padded_batch(model)
+    expected = greedy(model, ids, mask)
+    hf_accel.patch(model, speculative="ngram_self_int4", compile="inductor", compile_when="first_use")
+    greedy(model, ids, mask)  # compiles the verification chunks' and the draft's single tokens' graphs
+    poisoned_free_slots[0] = True
+    assert torch.equal(greedy(model, ids, mask), expected)
+    speculative = hf_accel.report(model)["speculative"].details
+    assert speculative["sources"]["model_accepted"] > 0
+    for details in (compile_details(model), speculative["compiled"]["draft"]):
+        assert details["failure"] is None and details["misses"] == 0 and details["compiled_steps"] > 0
+
+
+def test_calls_whose_inputs_cannot_be_cut_are_a_shape_class_of_their_own(empty_store):
+    """A 256-wide head makes the rotary tables as wide as a 256-slot cache: such calls read every slot (their
+    width cannot be told from a per-slot input's), longer caches only the filled ones. Each kind is compiled
+    for itself; no call runs a graph of the other kind (a miss)."""
+    model = make_tiny_model("llama")
+    model.config.head_dim = 256
+    model = type(model)(model.config).eval()
+    ids = left_padded_batch(model, (9,))[0]
+    expected = {n: greedy(model, ids, n=n) for n in (20, 300)}
+    hf_accel.patch(model, **AT_ONCE)
+    for n in (20, 300, 20):  # a 256-slot cache, then a 512-slot one, then the 256-slot one again
+        assert torch.equal(greedy(model, ids, n=n), expected[n])
+    details = compile_details(model)
+    assert details["failure"] is None and details["misses"] == 0 and details["graphs_compiled"] == 2
+    assert sorted(details["shapes"]) == ["LlamaDecoderLayer, batch 1, 1 token",
+                                         "LlamaDecoderLayer, batch 1, 1 token, every cache slot"]
 
 
 @pytest.mark.parametrize("when", ["auto", "first_use"])

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from hf_accel.runtime.compile_policy import valid_saving
+from hf_accel.runtime.layer_graphs import GRAPH_INPUTS
 
 if TYPE_CHECKING:
     from hf_accel.runtime.layer_graphs import GraphCompiler
@@ -94,6 +95,7 @@ def fingerprint(model: nn.Module, layer: nn.Module, kind: str, **settings: Any) 
         "attention": getattr(model.config, "_attn_implementation", None),
         "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16],
         "layer": hashlib.sha256(json.dumps([structure, tensors]).encode()).hexdigest()[:16],
+        "inputs": GRAPH_INPUTS,
         "settings": {k: v for k, v in sorted(settings.items())},
         "torch_at": str(Path(torch.__file__).resolve().parent),
     }

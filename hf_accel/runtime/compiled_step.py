@@ -10,8 +10,8 @@ is compiled its layers run eagerly, and :class:`~hf_accel.runtime.compile_policy
 compiling pays; a :class:`~hf_accel.runtime.compile_cache.CompileStore` keeps what it compiled for later processes.
 
 Shapes stay fixed per cache: its length is a bucket (a multiple of :data:`BUCKET`) reused by every later call
-that fits. Batch size, chunk width and cache length are dynamic in the graphs, so other prompts, batch sizes
-and ``max_new_tokens`` run the graphs already compiled.
+that fits. Batch size, chunk width, cache length and (on CPU) the filled slots attention reads are dynamic in
+the graphs, so other prompts, batch sizes and ``max_new_tokens`` run the graphs already compiled.
 
 Example::
 
@@ -41,7 +41,6 @@ from hf_accel.runtime.compile_policy import CompilePolicy, Decision, StepTimer
 from hf_accel.runtime.generation import cache_keyword
 from hf_accel.runtime.kv_cache import BufferPool, RollbackStaticCache
 from hf_accel.runtime.layer_graphs import (
-    GRAPH_INPUTS,
     CompileStats,
     GraphCompiler,
     RegionGraphs,
@@ -50,6 +49,7 @@ from hf_accel.runtime.layer_graphs import (
     disagreement,
     eager_layer,
     graph_arguments,
+    reads_filled_slots,
     separate_symbols,
     side_graph_arguments,
 )
@@ -262,7 +262,7 @@ class CompiledDecodeStep:
         if self.stats.failure is not None:
             run.eager_layers += 1
             return eager_layer(region, layer_cache, slot, args, kwargs)
-        shape = shape_class(region, hidden)
+        shape = shape_class(region, hidden, reads_filled_slots(layer_cache, slot, args, kwargs))
         graphs = self._graphs_for(region.kind)
         if shape in self._compiled:
             return self._run_graph(graphs, shape, run, region, layer_cache, slot, args, kwargs)
@@ -337,7 +337,7 @@ class CompiledDecodeStep:
             self._fail(f"compiling {shape} raised {describe_failure(exc)}")
             return type(region.layer).forward(region.layer, *args, **kwargs)
         seconds = _clock() - start
-        eager = eager_layer(region, layer_cache, slot, args, kwargs)
+        eager = type(region.layer).forward(region.layer, *args, **kwargs)  # over every slot: checks the graph's cut
         error = disagreement([*tensors_in(eager), layer_cache.keys, layer_cache.values],
                               [*tensors_in(compiled), scratch.keys, scratch.values])
         self.stats.check_error = max(error, self.stats.check_error or 0.0)
@@ -382,8 +382,8 @@ class CompiledDecodeStep:
     def _fingerprint(self, kind: str) -> dict[str, Any]:
         if kind not in self._fingerprints:
             layer = next(r.layer for r in self.regions.values() if r.kind == kind)
-            settings = {"compiler": type(self.backend).__name__, "mode": self.backend.mode, "tolerance": self.tolerance}
-            self._fingerprints[kind] = fingerprint(self.model, layer, kind, inputs=GRAPH_INPUTS, **settings)
+            self._fingerprints[kind] = fingerprint(self.model, layer, kind, compiler=type(self.backend).__name__,
+                                                   mode=self.backend.mode, tolerance=self.tolerance)
         return self._fingerprints[kind]
 
     def _fail(self, reason: str) -> None:

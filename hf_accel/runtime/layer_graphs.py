@@ -1,9 +1,10 @@
 """The pieces the compiled decode step is built from: the graph compiler's contract, what compiling cost, the
-compiled graphs of one kind of decoder layer, a layer's eager forward over its cache's filled slots, and the
-checks of a new graph."""
+compiled graphs of one kind of decoder layer, a layer call (eager, or a graph's arguments) cut to its cache's
+filled slots, and the checks of a new graph."""
 
 from __future__ import annotations
 
+import math
 import types
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -115,12 +116,19 @@ def graph_arguments(layer_cache: Any, slot: int | str, args: tuple[Any, ...],
 
     Cut on CPU only: there reading the slots is the cost, while on a GPU reading the filled count would
     wait for the device, and CUDA graphs want fixed shapes."""
-    args, kwargs = without_cache(args, kwargs, slot)
-    cut = cut_to_filled(layer_cache, args, kwargs) if layer_cache.keys.device.type == "cpu" else None
-    if cut is None:
-        return None, args, kwargs
-    rest_args, rest_kwargs, filled = cut
+    if not reads_filled_slots(layer_cache, slot, args, kwargs):
+        return None, *without_cache(args, kwargs, slot)
+    rest_args, rest_kwargs, filled = cut_to_filled(layer_cache, *without_cache(args, kwargs, slot))
     return layer_cache.keys.new_empty(filled, 0), rest_args, rest_kwargs
+
+
+def reads_filled_slots(layer_cache: Any, slot: int | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a layer call's graph reads only the cache's filled slots (see :func:`graph_arguments`): part of
+    its shape class, since a graph serves calls of one kind only."""
+    if layer_cache.keys.device.type != "cpu":
+        return False
+    rest_args, rest_kwargs = without_cache(args, kwargs, slot)
+    return all(cuttable(value, layer_cache.max_cache_len) for value in (*rest_args, *rest_kwargs.values()))
 
 
 def side_graph_arguments(layer_cache: Any, slot: int | str, args: tuple[Any, ...],
@@ -183,10 +191,12 @@ def describe_failure(exc: Exception) -> str:
 
 
 def disagreement(reference: list[torch.Tensor], actual: list[torch.Tensor]) -> float:
-    """The largest relative error between corresponding tensors; infinite where the structures differ."""
+    """The largest relative error between corresponding tensors; infinite where the structures differ or an
+    error is NaN (``max`` would drop a NaN that is not first)."""
     if len(reference) != len(actual) or any(r.shape != a.shape for r, a in zip(reference, actual)):
         return float("inf")
-    return max(relative_error(r, a) for r, a in zip(reference, actual))
+    errors = [relative_error(r, a) for r, a in zip(reference, actual)]
+    return float("inf") if any(math.isnan(e) for e in errors) else max(errors)
 
 
 def relative_error(reference: torch.Tensor, actual: torch.Tensor) -> float:

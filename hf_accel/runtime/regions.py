@@ -3,8 +3,8 @@
 A causal LM repeats one decoder block (``LlamaDecoderLayer`` x 30 in SmolLM2). Compiling the model's whole
 forward traces every layer: on a 2-core CPU ~35 s per graph with inductor's on-disk cache warm, ~90 s cold.
 Compiling one layer's code and running that graph for each layer of the same kind costs one layer's
-tracing (~0.5 s warm, ~4-13 s cold), and with the batch size, chunk width and cache length left dynamic, one
-graph serves every later call.
+tracing (~0.5 s warm, ~4-13 s cold), and with the batch size, chunk width, cache length and filled slots left
+dynamic, one graph serves every later call.
 
 Each layer gets an instance-level ``forward`` (:func:`routed_forward`) that runs the class's own forward,
 unless a :class:`RegionRun` is active in this context (a compiled decode step is running): then the run
@@ -46,11 +46,13 @@ class ShapeClass:
     kind: str
     single_row: bool
     single_token: bool
+    #: Whether its attention reads only the cache's filled slots (see ``layer_graphs.graph_arguments``).
+    filled_slots: bool = True
 
     def __str__(self) -> str:
         rows = "batch 1" if self.single_row else "batch > 1"
         tokens = "1 token" if self.single_token else "chunks"
-        return f"{self.kind}, {rows}, {tokens}"
+        return f"{self.kind}, {rows}, {tokens}{'' if self.filled_slots else ', every cache slot'}"
 
 
 def decoder_layers(model: nn.Module) -> list[Region]:
@@ -192,8 +194,8 @@ def hidden_states_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Ten
     return hidden if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
 
 
-def shape_class(region: Region, hidden: torch.Tensor) -> ShapeClass:
-    return ShapeClass(region.kind, hidden.shape[0] == 1, hidden.shape[1] == 1)
+def shape_class(region: Region, hidden: torch.Tensor, filled_slots: bool = True) -> ShapeClass:
+    return ShapeClass(region.kind, hidden.shape[0] == 1, hidden.shape[1] == 1, filled_slots)
 
 
 def side_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], layer_cache: Any, cache_length: int,
