@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import transformers
 from conftest import VOCAB, edit_index, left_padded_batch, make_tiny_model
 
 import hf_accel
-from hf_accel.runtime import compiled_step
+from hf_accel.runtime import compiled_step, layer_graphs
 from hf_accel.runtime.regions import ShapeClass, cache_argument
 from hf_accel_plugins import compile_inductor
 from hf_accel_plugins.compile_inductor import InductorCompiler
@@ -131,21 +133,63 @@ def test_the_speculative_loops_chunks_and_self_drafts_read_only_the_filled_slots
 
 
 def test_calls_whose_inputs_cannot_be_cut_are_a_shape_class_of_their_own(empty_store):
-    """A 256-wide head makes the rotary tables as wide as a 256-slot cache: such calls read every slot (their
-    width cannot be told from a per-slot input's), longer caches only the filled ones. Each kind is compiled
-    for itself; no call runs a graph of the other kind (a miss)."""
+    """A 256-wide head makes the rotary tables as wide as a 256-slot cache: such calls read every slot (a table's
+    width cannot be told from a per-slot input's), calls over longer caches only the filled ones. Each kind is
+    compiled for itself, and calls of either kind after the other's graph exists run their own (no miss)."""
     model = make_tiny_model("llama")
     model.config.head_dim = 256
     model = type(model)(model.config).eval()
-    ids = left_padded_batch(model, (9,))[0]
-    expected = {n: greedy(model, ids, n=n) for n in (20, 300)}
+    ids, mask = left_padded_batch(model, (9, 6, 8))
+    calls = [(1, 20), (1, 300), (3, 300), (2, 20)]  # slots: 256, 512 (batch 1); 512, then 256 (batch > 1)
+    expected = [greedy(model, ids[:b], mask[:b], n=n) for b, n in calls]
     hf_accel.patch(model, **AT_ONCE)
-    for n in (20, 300, 20):  # a 256-slot cache, then a 512-slot one, then the 256-slot one again
-        assert torch.equal(greedy(model, ids, n=n), expected[n])
+    for (b, n), tokens in zip(calls, expected):
+        assert torch.equal(greedy(model, ids[:b], mask[:b], n=n), tokens)
     details = compile_details(model)
-    assert details["failure"] is None and details["misses"] == 0 and details["graphs_compiled"] == 2
-    assert sorted(details["shapes"]) == ["LlamaDecoderLayer, batch 1, 1 token",
-                                         "LlamaDecoderLayer, batch 1, 1 token, every cache slot"]
+    assert details["failure"] is None and details["misses"] == 0 and details["graphs_compiled"] == 4
+    assert sorted(details["shapes"]) == [f"LlamaDecoderLayer, batch {rows}, 1 token{every}"
+                                         for rows in ("1", "> 1") for every in ("", ", every cache slot")]
+
+
+def test_which_layer_inputs_let_attention_read_only_the_filled_slots():
+    cache = types.SimpleNamespace(max_cache_len=256, keys=torch.zeros(1), cumulative_length=torch.tensor(10))
+    mask = torch.ones(1, 1, 1, 256, dtype=torch.bool)
+
+    def reads_filled(hidden_size=64, table_width=16, **extra):
+        hidden = torch.zeros(1, 1, hidden_size)
+        table = torch.zeros(1, 1, table_width)
+        kwargs = {"attention_mask": mask, "position_embeddings": (table, table), "cache": None, **extra}
+        return layer_graphs.reads_filled_slots(cache, "cache", (hidden,), kwargs)
+
+    assert reads_filled()
+    assert reads_filled(hidden_size=256)  # hidden states as wide as the cache are not per-slot inputs
+    assert not reads_filled(table_width=256)  # a rotary table as wide: cannot be told from a per-slot one
+    assert not reads_filled(alibi=torch.zeros(4, 1, 256))  # a per-key bias that is not a 4-D mask
+    _, kwargs, filled = layer_graphs.cut_to_filled(cache, (torch.zeros(1, 1, 64),), {"attention_mask": mask})
+    assert filled == 11 and kwargs["attention_mask"].shape == (1, 1, 1, 11)
+
+
+def test_a_new_graph_is_checked_against_the_layer_reading_every_slot(monkeypatch):
+    """A graph that read the wrong slots would agree with an eager layer cut the same wrong way: the check's
+    reference reads them all, so a wrong cut is refused."""
+    real = layer_graphs.cut_to_filled
+
+    def one_slot_short(layer_cache, args, kwargs):
+        cut = real(layer_cache, args, kwargs)
+        return None if cut is None else (cut[0], cut[1], cut[2] - 1)
+
+    monkeypatch.setattr(layer_graphs, "cut_to_filled", one_slot_short)
+    model = make_tiny_model("llama")
+    ids = left_padded_batch(model, (9,))[0]
+    hf_accel.patch(model, **AT_ONCE)
+    greedy(model, ids, n=5)
+    assert "differs from eager" in compile_details(model)["failure"]
+
+
+def test_a_nan_anywhere_is_an_infinite_disagreement():
+    x, nan = torch.ones(3), torch.tensor([1.0, float("nan"), 1.0])
+    assert layer_graphs.disagreement([x, x], [x, nan]) == float("inf")  # max() alone keeps a NaN only when first
+    assert layer_graphs.disagreement([x, x], [x, x]) == 0.0
 
 
 @pytest.mark.parametrize("when", ["auto", "first_use"])

@@ -323,8 +323,8 @@ class CompiledDecodeStep:
 
     def _compile_and_check(self, graphs: RegionGraphs, shape: ShapeClass, region: Region, layer_cache: Any,
                            slot: int | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Compile ``shape`` from copies of this call's inputs, run the real call eagerly, and keep the graph
-        if it reproduced the eager layer's output and cache writes."""
+        """Compile ``shape`` from copies of this call's inputs, run the real call eagerly over every slot, and keep
+        the graph if it reproduced that output and those cache writes."""
         estimate, why = self._estimate(shape)
         warm = why == _FROM_STORE
         log = logger.warning if estimate >= 10 else logger.info

@@ -125,10 +125,7 @@ def graph_arguments(layer_cache: Any, slot: int | str, args: tuple[Any, ...],
 def reads_filled_slots(layer_cache: Any, slot: int | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a layer call's graph reads only the cache's filled slots (see :func:`graph_arguments`): part of
     its shape class, since a graph serves calls of one kind only."""
-    if layer_cache.keys.device.type != "cpu":
-        return False
-    rest_args, rest_kwargs = without_cache(args, kwargs, slot)
-    return all(cuttable(value, layer_cache.max_cache_len) for value in (*rest_args, *rest_kwargs.values()))
+    return layer_cache.keys.device.type == "cpu" and _cuttable_call(layer_cache, *without_cache(args, kwargs, slot))
 
 
 def side_graph_arguments(layer_cache: Any, slot: int | str, args: tuple[Any, ...],
@@ -148,9 +145,9 @@ def cut_to_filled(layer_cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     """A layer call's arguments (the cache left out) with every 4-D mask over the cache's slots cut to the
     filled ones (this call's included), and their count; None where an input spanning the cache's length
     cannot be cut with the keys and values (a per-key bias such as Bloom's alibi, a mask object)."""
-    length = layer_cache.max_cache_len
-    if not all(cuttable(value, length) for value in (*args, *kwargs.values())):
+    if not _cuttable_call(layer_cache, args, kwargs):
         return None
+    length = layer_cache.max_cache_len
     filled = int(layer_cache.cumulative_length) + hidden_states_of(args, kwargs).shape[1]
 
     def cut(value: Any) -> Any:  # contiguous, as the graph was compiled from (its guards check strides)
@@ -158,6 +155,14 @@ def cut_to_filled(layer_cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any
         return value[..., :filled].contiguous() if spans_cache else value
 
     return tuple(map(cut, args)), {name: cut(value) for name, value in kwargs.items()}, filled
+
+
+def _cuttable_call(layer_cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether every input of a layer call (the cache left out) can follow the keys and values when they are cut
+    to the filled slots. The hidden states never span the cache, whatever their width (a hidden size is often
+    a bucket's length, 1024 or 2048)."""
+    hidden = hidden_states_of(args, kwargs)
+    return all(value is hidden or cuttable(value, layer_cache.max_cache_len) for value in (*args, *kwargs.values()))
 
 
 def cuttable(value: Any, length: int) -> bool:
