@@ -44,7 +44,6 @@ import torch
 from torch import nn
 
 from hf_accel.runtime.compile_policy import valid_saving
-from hf_accel.runtime.layer_graphs import GRAPH_INPUTS
 
 if TYPE_CHECKING:
     from hf_accel.runtime.layer_graphs import GraphCompiler
@@ -82,6 +81,8 @@ def fingerprint(model: nn.Module, layer: nn.Module, kind: str, **settings: Any) 
     too: inductor keys its compiled C++ on the install's include paths, so another virtual environment compiles
     it anew (a compile the store expected to take ~3 s took 13 s there); its entries are its own, and two
     environments sharing the cache directory keep theirs side by side."""
+    from hf_accel.runtime.layer_graphs import GRAPH_INPUTS  # here: `hf-accel cache` needs no transformers
+
     config = model.config.get_text_config(decoder=True).to_dict()
     for volatile in ("_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype"):
         config.pop(volatile, None)

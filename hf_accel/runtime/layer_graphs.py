@@ -116,9 +116,11 @@ def graph_arguments(layer_cache: Any, slot: int | str, args: tuple[Any, ...],
 
     Cut on CPU only: there reading the slots is the cost, while on a GPU reading the filled count would
     wait for the device, and CUDA graphs want fixed shapes."""
-    if not reads_filled_slots(layer_cache, slot, args, kwargs):
-        return None, *without_cache(args, kwargs, slot)
-    rest_args, rest_kwargs, filled = cut_to_filled(layer_cache, *without_cache(args, kwargs, slot))
+    rest_args, rest_kwargs = without_cache(args, kwargs, slot)
+    cut = cut_to_filled(layer_cache, rest_args, rest_kwargs) if layer_cache.keys.device.type == "cpu" else None
+    if cut is None:  # the same judgement as reads_filled_slots, which picks the call's shape class
+        return None, rest_args, rest_kwargs
+    rest_args, rest_kwargs, filled = cut
     return layer_cache.keys.new_empty(filled, 0), rest_args, rest_kwargs
 
 
