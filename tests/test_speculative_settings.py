@@ -11,8 +11,15 @@ import pytest
 import torch
 from conftest import left_padded_batch, make_tiny_model
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import (
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 import hf_accel
+from hf_accel.runtime.speculative.processing import RowProcessors
 from hf_accel.runtime.speculative.settings import SETTINGS, blocking_settings, known_fields, settings_table
 
 #: Per covered setting, generate arguments made from a reference greedy run (so that they bite on its tokens).
@@ -313,3 +320,59 @@ def test_every_generation_config_field_is_classified_and_the_docs_table_is_the_c
     text = (Path(__file__).resolve().parent.parent / "docs" / "features.md").read_text()
     table = re.search(r"<!-- generation-settings -->\n(.*?)\n<!-- /generation-settings -->", text, re.S)
     assert table and table.group(1) == settings_table()
+
+
+class _MinNewTokensAndMore(MinNewTokensLengthLogitsProcessor):
+    """A subclass that does more than its base past the minimum: must never be skipped."""
+
+    def __call__(self, input_ids, scores):
+        return super().__call__(input_ids, scores) - 0.5
+
+
+def _count_calls(processor, calls):
+    """Make ``processor`` append its class to ``calls`` whenever it is called."""
+    base = type(processor)
+
+    def call(self, input_ids, scores):
+        calls.append(base)
+        return base.__call__(self, input_ids, scores)
+
+    processor.__class__ = type(f"Counted{base.__name__}", (base,), {"__call__": call})
+
+
+@pytest.mark.parametrize("length", [3, 6, 9, 10, 11, 40])
+def test_row_processors_score_exactly_as_the_list_they_wrap(length):
+    torch.manual_seed(length)
+    vocab, prompt = 50, 8
+    processors = LogitsProcessorList([
+        MinLengthLogitsProcessor(10, eos_token_id=[3, 4]),
+        MinNewTokensLengthLogitsProcessor(prompt, 2, eos_token_id=3),
+        RepetitionPenaltyLogitsProcessor(1.3),
+        NoRepeatNGramLogitsProcessor(2),
+        _MinNewTokensAndMore(prompt, 1, eos_token_id=5),
+    ])
+    row = RowProcessors(processors)
+    ids = torch.randint(0, vocab, (1, length))
+    scores = torch.randn(1, vocab)
+    assert torch.equal(row(ids, scores.clone()), processors(ids, scores.clone()))
+    # Past their minimum the two length processors are skipped (their result would be a copy); the subclass is not.
+    skipped = (length >= 10) + (length >= prompt + 2)
+    calls = []
+    for processor in processors:
+        _count_calls(processor, calls)
+    row(ids, scores.clone())
+    assert len(calls) == len(processors) - skipped and _MinNewTokensAndMore in calls
+
+
+def test_row_processors_with_a_processor_that_wants_more_arguments_fail_as_stock_fails():
+    class NeedsMore(LogitsProcessor):
+        def __call__(self, input_ids, scores, cur_len):
+            return scores
+
+    processors = LogitsProcessorList([NeedsMore()])
+    ids, scores = torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 5)
+    with pytest.raises(ValueError, match="required parameters") as stock:
+        processors(ids, scores)
+    with pytest.raises(ValueError, match="required parameters") as ours:
+        RowProcessors(processors)(ids, scores)
+    assert str(ours.value) == str(stock.value)

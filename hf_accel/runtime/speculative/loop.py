@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_accel.runtime.cached_lm import CachedLM, can_share
+from hf_accel.runtime.speculative.processing import RowProcessors
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +137,9 @@ class SpeculativeLoop:
     """
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter, config: GenerationConfig,
-                 processors: list[LogitsProcessorList], stopping: StoppingCriteriaList | None, streamer: Any,
+                 processors: Sequence[RowProcessors], stopping: StoppingCriteriaList | None, streamer: Any,
                  max_new_tokens: int, draft_length: DraftLength, make_lm: LMFactory | None = None,
-                 draft_processors: list[LogitsProcessorList] | None = None) -> None:
+                 draft_processors: Sequence[RowProcessors] | None = None) -> None:
         #: Makes the :class:`CachedLM` a model of this call runs in (the target here, a draft model in a drafter).
         self.make_lm = make_lm or eager_lm
         self.target = self.make_lm(model, "target")

@@ -11,6 +11,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from hf_accel.runtime.generation import generated_length
+from hf_accel.runtime.speculative.processing import RowProcessors
 from hf_accel.runtime.speculative.settings import blocking_settings
 
 #: Model inputs a call may pass besides the token ids (anything else falls back to stock generate).
@@ -30,8 +31,8 @@ class CallPlan:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     config: GenerationConfig
-    processors: list[LogitsProcessorList]  # one list per row
-    draft_processors: list[LogitsProcessorList]  # the same without the user's own (a drafter's calls are extra)
+    processors: list[RowProcessors]  # one list per row
+    draft_processors: list[RowProcessors]  # the same without the user's own (a drafter's calls are extra)
     stopping: StoppingCriteriaList | None
     streamer: Any
     max_new_tokens: int
@@ -114,16 +115,16 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
 
 
 def _row_processors(model: Any, config: GenerationConfig, input_ids: torch.Tensor, mask: torch.Tensor, row: int,
-                    prompt: int, extra: dict[str, Any]) -> LogitsProcessorList:
+                    prompt: int, extra: dict[str, Any]) -> RowProcessors:
     """Stock's processor list for one row of the call, as ``generate`` would build it for the batch: the user's
     merged with those the settings ask for. Built per row because some processors hold per-row state (the
     row's padding, for the repetition penalty) or ask a function about their row by index."""
     allowed = extra["prefix_allowed_tokens_fn"]
-    return model._get_logits_processor(
+    return RowProcessors(model._get_logits_processor(
         generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids[row:row + 1],
         prefix_allowed_tokens_fn=None if allowed is None else (lambda _, prefix: allowed(prompt, prefix)),
         logits_processor=LogitsProcessorList(extra["logits_processor"] or []), device=input_ids.device,
-        model_kwargs={"attention_mask": mask[row:row + 1]})
+        model_kwargs={"attention_mask": mask[row:row + 1]}))
 
 
 def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor:

@@ -1,0 +1,63 @@
+"""One row's logits processors, called at every draft and verified position of the speculative loop.
+
+Stock ``generate`` calls its ``LogitsProcessorList`` once per token; the loop calls each row's list once per
+drafted token and once per verified position, so what the list costs per call is paid ~2x as often, and with
+the model-card settings it was ~8% of a call (``LogitsProcessorList`` inspects every processor's signature on
+every call; the minimum-length processors build a vocabulary-sized mask on every call, long after the minimum
+is reached). :class:`RowProcessors` gives the same scores with less of that work.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+
+#: Processors that return their input's values unchanged at some prefixes (a copy, in stock), by exact class
+#: (a subclass may do more): from the prefix's length on, calling them only costs time.
+UNCHANGED_FROM_LENGTH: dict[type, Callable[[object], int]] = {
+    MinLengthLogitsProcessor: lambda p: p.min_length,
+    MinNewTokensLengthLogitsProcessor: lambda p: p.prompt_length_to_skip + p.min_new_tokens,
+}
+
+
+class RowProcessors:
+    """``processors(input_ids, scores)`` with the same result as the ``LogitsProcessorList`` it wraps, for
+    ``input_ids`` of one row: each processor in turn, less those that would return the scores unchanged at
+    this prefix (:data:`UNCHANGED_FROM_LENGTH`). A list holding a processor that takes more than
+    ``(input_ids, scores)`` is called as it is (stock asks for its extra arguments and raises).
+
+    Example::
+
+        row = RowProcessors(model._get_logits_processor(...))
+        scores = row(prefix[None], logits[None].clone())
+    """
+
+    def __init__(self, processors: LogitsProcessorList) -> None:
+        self.processors = processors
+        self._takes_two = all(len(inspect.signature(p.__call__).parameters) <= 2 for p in processors)
+        self._unchanged_from = [_unchanged_from(p) for p in processors]
+
+    def __len__(self) -> int:
+        return len(self.processors)
+
+    def __repr__(self) -> str:
+        return f"RowProcessors({[type(p).__name__ for p in self.processors]})"
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if not self._takes_two:
+            return self.processors(input_ids, scores)
+        length = input_ids.shape[-1]
+        for processor, unchanged_from in zip(self.processors, self._unchanged_from):
+            if unchanged_from is None or length < unchanged_from:
+                scores = processor(input_ids, scores)
+        return scores
+
+
+def _unchanged_from(processor: object) -> int | None:
+    """The prefix length from which ``processor`` leaves the scores as they are, or None if it never does."""
+    length = UNCHANGED_FROM_LENGTH.get(type(processor))
+    return None if length is None else length(processor)
