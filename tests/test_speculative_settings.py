@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -323,10 +324,15 @@ def test_every_generation_config_field_is_classified_and_the_docs_table_is_the_c
 
 
 class _MinNewTokensAndMore(MinNewTokensLengthLogitsProcessor):
-    """A subclass that does more than its base past the minimum: must never be skipped."""
+    """Does more than its base past the minimum: must never be skipped."""
 
     def __call__(self, input_ids, scores):
         return super().__call__(input_ids, scores) - 0.5
+
+
+class _MinLengthAndMore(MinLengthLogitsProcessor):
+    def __call__(self, input_ids, scores):
+        return super().__call__(input_ids, scores) * 2
 
 
 def _count_calls(processor, calls):
@@ -340,28 +346,45 @@ def _count_calls(processor, calls):
     processor.__class__ = type(f"Counted{base.__name__}", (base,), {"__call__": call})
 
 
-@pytest.mark.parametrize("length", [3, 6, 9, 10, 11, 40])
-def test_row_processors_score_exactly_as_the_list_they_wrap(length):
+# A prompt of 8 (the loop's prefixes never get shorter); min_length reached at 10, min_new_tokens at 8 + 5.
+@pytest.mark.parametrize("length", [8, 9, 10, 12, 13, 14, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_processors_score_exactly_as_the_list_they_wrap(length, dtype):
     torch.manual_seed(length)
     vocab, prompt = 50, 8
+    user = MinLengthLogitsProcessor(30, eos_token_id=6)  # the user's own: stock calls it every time
     processors = LogitsProcessorList([
-        MinLengthLogitsProcessor(10, eos_token_id=[3, 4]),
-        MinNewTokensLengthLogitsProcessor(prompt, 2, eos_token_id=3),
+        MinLengthLogitsProcessor(10, eos_token_id=[4]),
+        MinNewTokensLengthLogitsProcessor(prompt, 5, eos_token_id=3),
         RepetitionPenaltyLogitsProcessor(1.3),
         NoRepeatNGramLogitsProcessor(2),
         _MinNewTokensAndMore(prompt, 1, eos_token_id=5),
+        _MinLengthAndMore(9, eos_token_id=7),
+        user,
     ])
-    row = RowProcessors(processors)
+    row = RowProcessors(processors, always_called=[user])
     ids = torch.randint(0, vocab, (1, length))
-    scores = torch.randn(1, vocab)
-    assert torch.equal(row(ids, scores.clone()), processors(ids, scores.clone()))
-    # Past their minimum the two length processors are skipped (their result would be a copy); the subclass is not.
-    skipped = (length >= 10) + (length >= prompt + 2)
+    scores = torch.randn(1, vocab).to(dtype)
+    ours, stock = row(ids, scores.clone()), processors(ids, scores.clone())
+    assert ours.dtype == stock.dtype == dtype and torch.equal(ours, stock)
+    # Which processors ran: the two built-in minimums only before their minimum, the others always.
     calls = []
     for processor in processors:
         _count_calls(processor, calls)
     row(ids, scores.clone())
-    assert len(calls) == len(processors) - skipped and _MinNewTokensAndMore in calls
+    expected = [MinLengthLogitsProcessor] * (length < 10) + [MinNewTokensLengthLogitsProcessor] * (length < 13) + [
+        RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, _MinNewTokensAndMore, _MinLengthAndMore,
+        MinLengthLogitsProcessor]
+    assert Counter(calls) == Counter(expected)
+
+
+def test_row_processors_read_a_minimum_changed_during_the_call():
+    processor = MinNewTokensLengthLogitsProcessor(4, 2, eos_token_id=1)
+    row = RowProcessors(LogitsProcessorList([processor]))
+    ids, scores = torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 3)
+    assert row(ids, scores.clone())[0, 1] == 0  # past the minimum
+    processor.min_new_tokens = 9
+    assert row(ids, scores.clone())[0, 1] == -float("inf")
 
 
 def test_row_processors_with_a_processor_that_wants_more_arguments_fail_as_stock_fails():

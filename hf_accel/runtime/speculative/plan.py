@@ -124,7 +124,7 @@ def _row_processors(model: Any, config: GenerationConfig, input_ids: torch.Tenso
         generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids[row:row + 1],
         prefix_allowed_tokens_fn=None if allowed is None else (lambda _, prefix: allowed(prompt, prefix)),
         logits_processor=LogitsProcessorList(extra["logits_processor"] or []), device=input_ids.device,
-        model_kwargs={"attention_mask": mask[row:row + 1]}))
+        model_kwargs={"attention_mask": mask[row:row + 1]}), always_called=extra["logits_processor"] or ())
 
 
 def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor:

@@ -10,7 +10,7 @@ is reached). :class:`RowProcessors` gives the same scores with less of that work
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from transformers import LogitsProcessorList
@@ -18,17 +18,20 @@ from transformers.generation.logits_process import MinLengthLogitsProcessor, Min
 
 #: Processors that return their input's values unchanged at some prefixes (a copy, in stock), by exact class
 #: (a subclass may do more): from the prefix's length on, calling them only costs time.
-UNCHANGED_FROM_LENGTH: dict[type, Callable[[object], int]] = {
+UNCHANGED_FROM_LENGTH: dict[type, Callable[[Any], int]] = {
     MinLengthLogitsProcessor: lambda p: p.min_length,
     MinNewTokensLengthLogitsProcessor: lambda p: p.prompt_length_to_skip + p.min_new_tokens,
 }
 
 
 class RowProcessors:
-    """``processors(input_ids, scores)`` with the same result as the ``LogitsProcessorList`` it wraps, for
+    """``processors(input_ids, scores)`` with the values of the ``LogitsProcessorList`` it wraps, for
     ``input_ids`` of one row: each processor in turn, less those that would return the scores unchanged at
-    this prefix (:data:`UNCHANGED_FROM_LENGTH`). A list holding a processor that takes more than
-    ``(input_ids, scores)`` is called as it is (stock asks for its extra arguments and raises).
+    this prefix (:data:`UNCHANGED_FROM_LENGTH`; never one of ``always_called``, the user's own, which stock
+    calls every time). A list holding a processor that takes more than ``(input_ids, scores)`` is called as
+    it is (stock asks for its extra arguments and raises).
+
+    Unlike the list, it may return ``scores`` itself, or write into it: pass a tensor of your own (a clone).
 
     Example::
 
@@ -36,10 +39,11 @@ class RowProcessors:
         scores = row(prefix[None], logits[None].clone())
     """
 
-    def __init__(self, processors: LogitsProcessorList) -> None:
+    def __init__(self, processors: LogitsProcessorList, always_called: Iterable[object] = ()) -> None:
         self.processors = processors
         self._takes_two = all(len(inspect.signature(p.__call__).parameters) <= 2 for p in processors)
-        self._unchanged_from = [_unchanged_from(p) for p in processors]
+        users = {id(p) for p in always_called}
+        self._unchanged_from = [None if id(p) in users else UNCHANGED_FROM_LENGTH.get(type(p)) for p in processors]
 
     def __len__(self) -> int:
         return len(self.processors)
@@ -52,12 +56,7 @@ class RowProcessors:
             return self.processors(input_ids, scores)
         length = input_ids.shape[-1]
         for processor, unchanged_from in zip(self.processors, self._unchanged_from):
-            if unchanged_from is None or length < unchanged_from:
+            # The threshold is read on every call, as the processor reads its own settings.
+            if unchanged_from is None or length < unchanged_from(processor):
                 scores = processor(input_ids, scores)
         return scores
-
-
-def _unchanged_from(processor: object) -> int | None:
-    """The prefix length from which ``processor`` leaves the scores as they are, or None if it never does."""
-    length = UNCHANGED_FROM_LENGTH.get(type(processor))
-    return None if length is None else length(processor)
