@@ -29,7 +29,7 @@ from hf_accel.plugin import (
 )
 from hf_accel_plugins.drafters import SelfDrafter, lookup
 from hf_accel_plugins.int4_layers import kernel_problem
-from hf_accel_plugins.self_drafts import SELF_DRAFTS, draft_bytes, self_draft, self_draft_problem, vocab_size
+from hf_accel_plugins.self_drafts import describe, draft_bytes, self_draft, self_draft_problem, vocab_size
 
 #: The shortest n-gram match the lookup extends a draft from; single tokens predicted poorly.
 MIN_MATCH = 2
@@ -94,7 +94,7 @@ def install(context: PatchContext) -> None:
     install_runner(context, lambda model, config: ModelThenLookupDrafter(SelfDrafter(draft, config, vocab),
                                                                          max_ngram, counts, length.extra), length,
                    drafts=(draft,))
-    context.report.details["draft"] = f"an {SELF_DRAFTS[4]}, extended by prompt lookup"
+    context.report.details["draft"] = f"an {describe(draft, 4)}, extended by prompt lookup"
     context.report.details["sources"] = counts
 
 

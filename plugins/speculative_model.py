@@ -19,7 +19,7 @@ from hf_accel.plugin import Backend, Capabilities, DraftLength, Option, PatchCon
 from hf_accel_plugins.drafters import ModelDrafter, SelfDrafter
 from hf_accel_plugins.int4_layers import kernel_problem as int4_kernel_problem
 from hf_accel_plugins.int8_layers import kernel_problem as int8_kernel_problem
-from hf_accel_plugins.self_drafts import SELF_DRAFTS, draft_bytes, self_draft, self_draft_problem, vocab_size
+from hf_accel_plugins.self_drafts import SELF_DRAFTS, describe, draft_bytes, self_draft, self_draft_problem, vocab_size
 
 
 def requested_draft_model(context: PatchContext) -> PreTrainedModel | None:
@@ -57,7 +57,7 @@ def install_self_draft(context: PatchContext, bits: int) -> None:
     vocab = vocab_size(context.model)
     install_runner(context, lambda model, config: SelfDrafter(draft, config, vocab), DraftLength(k=4, low=1, high=8),
                    drafts=(draft,))
-    context.report.details["draft"] = SELF_DRAFTS[bits]
+    context.report.details["draft"] = describe(draft, bits)
 
 
 def kernel_problem(bits: int):

@@ -461,3 +461,41 @@ def test_a_user_warper_is_merged_with_the_ones_generate_builds_as_stock_merges_i
     scores = llama.generate(input_ids=ids, attention_mask=mask, **kwargs).scores[0]
     assert stats(llama)["fallbacks_to_stock"] == 0
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_self_drafts_best_logits_come_from_the_targets_head_rows():
+    from hf_accel_plugins.int8_layers import Int8WeightLinear
+    from hf_accel_plugins.self_drafts import TopLogitsExact
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 300)
+    head = TopLogitsExact(Int8WeightLinear(linear), linear.weight.detach(), k=4)
+    x = torch.randn(2, 3, 64)
+    rounded, refined = head.head(x), head(x)
+    exact = linear(x).detach()
+    top = rounded.topk(4, dim=-1).indices
+    torch.testing.assert_close(refined.gather(-1, top), exact.gather(-1, top), rtol=1e-6, atol=1e-6)
+    elsewhere = torch.ones_like(refined, dtype=torch.bool).scatter(-1, top, False)
+    assert torch.equal(refined[elsewhere], rounded[elsewhere])
+    assert not torch.equal(rounded.gather(-1, top), exact.gather(-1, top))  # the int8 head alone is off there
+
+
+@pytest.mark.parametrize("arch, compile", [("gemma2", "auto"), ("gpt2", "auto"), ("llama", None), ("llama", "auto")])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_self_draft_reads_the_targets_own_head_rows_where_it_holds_them(arch, compile, bits):
+    from hf_accel_plugins.self_drafts import TopLogitsExact, own_bytes
+
+    model = make_tiny_model(arch)
+    rows = model.get_output_embeddings().weight.data_ptr()  # not the tensor: a reference would keep it unpacked
+    hf_accel.patch(model, compile=compile, speculative=f"self_int{bits}")
+    draft = model._hf_accel_state.runner.drafts[0]
+    head = draft.get_output_embeddings()
+    # A tied head (gemma2, gpt2) is the embeddings, kept plain; an untied one is packed away when compiled.
+    held = model.config.tie_word_embeddings or compile is None
+    assert isinstance(head, TopLogitsExact) == held
+    if held:
+        assert head.rows.data_ptr() == rows  # the target's tensor, not a copy
+        refined = own_bytes(draft, model)
+        draft.set_output_embeddings(head.head)
+        assert own_bytes(draft, model) == refined  # so the draft's memory is what it was
+    assert ("best 4 logits" in hf_accel.report(model)["speculative"].details["draft"]) == held
