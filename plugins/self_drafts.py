@@ -4,6 +4,7 @@ they cost; shared by the self-draft backends."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from torch import nn
@@ -23,7 +24,8 @@ def vocab_size(model: PreTrainedModel) -> int:
 
 def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
     """A copy of ``model`` sharing its non-Linear tensors (embeddings, norms), whose Linear layers are int8
-    per output channel (``bits=8``), or int4 in groups of 32 with an int8 output head (``bits=4``)."""
+    per output channel (``bits=8``), or int4 in groups of 32 with an int8 output head (``bits=4``); where the
+    target's head holds a plain weight, the head's best logits come from it (:class:`TopLogitsExact`)."""
     with torch.device("meta"):
         draft = type(model)(copy.deepcopy(model.config))
     share_tensors(model, draft)
@@ -41,52 +43,52 @@ def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
     for name, tensor in [*draft.named_parameters(), *draft.named_buffers()]:
         if tensor.is_meta:
             raise RuntimeError(f"could not copy {name} into the quantized draft")
-    rows = exact_head_rows(model)
+    target_head = model.get_output_embeddings()
     quantized_head = draft.get_output_embeddings()
-    if rows is not None and (quantized_head.out_features, quantized_head.in_features) == tuple(rows.shape):
+    if TopLogitsExact.rows_of(target_head, quantized_head) is not None:
         parent, _, leaf = next(name for name, m in draft.named_modules() if m is quantized_head).rpartition(".")
-        setattr(draft.get_submodule(parent), leaf, TopLogitsExact(quantized_head, rows))
+        setattr(draft.get_submodule(parent), leaf, TopLogitsExact(quantized_head, target_head))
     return draft.eval()
 
 
 class TopLogitsExact(nn.Module):
-    """A draft's int8 output head whose ``k`` highest logits at each position are recomputed from the target's
-    own head rows (``rows``, the target's tensor, not a copy), so that the draft's choice among its best
-    candidates is the target's. The int8 head's rounding alone made the int4 self-draft disagree with the target
-    on 1 drafted token in 5 with the model-card settings (SmolLM2: 0.80 of its drafts accepted, 0.93 with the 4
-    best recomputed, 0.92 with an fp32 head), at ~4 rows of the head's cost per position."""
+    """A draft's int8 output head whose ``k`` highest logits at each position are recomputed from the target
+    head's own plain weight (read from the target's head on every call, never copied or held), so that the
+    draft picks among its best candidates as the target would. With the model-card settings the int8 head's
+    rounding made SmolLM2's int4 self-draft disagree with the target more than its int4 layers did: 0.80 of
+    its drafts accepted, 0.93 with the 4 best recomputed, 0.92 with an fp32 head. Costs a top-k over the
+    vocabulary and ``k`` rows of the head per position. Where the target's head holds no plain weight (an
+    untied head packed for its kernel), the int8 logits are used as they are."""
 
-    def __init__(self, head: nn.Module, rows: torch.Tensor, k: int = 4) -> None:
+    def __init__(self, head: nn.Module, target_head: nn.Module, k: int = 4) -> None:
         super().__init__()
         self.head, self.k = head, k
         self.out_features, self.in_features = head.out_features, head.in_features
-        self.rows = rows  # not a buffer: the target's tensor, neither the draft's to save nor to count
+        # A weak reference: neither a module of the draft (saved, counted) nor a hold on the target's head
+        # (a backend packing the target counts who else holds its layers).
+        self._target_head = weakref.ref(target_head)
 
     def extra_repr(self) -> str:
-        return f"top {self.k} logits from the target's head rows"
+        return f"top {self.k} logits from the target's head"
+
+    @staticmethod
+    def rows_of(target_head: nn.Module | None, head: nn.Module) -> torch.Tensor | None:
+        """``target_head``'s weight as plain ``[vocab, hidden]`` rows matching ``head``, or None."""
+        weight = getattr(target_head, "weight", None)  # a packed layer that keeps none raises AttributeError
+        plain = (not isinstance(target_head, Conv1D) and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                 and weight.is_floating_point() and not weight.is_meta)  # Conv1D keeps [in, out]
+        return weight.detach() if plain and tuple(weight.shape) == (head.out_features, head.in_features) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.head(x)
-        top = logits.topk(self.k, dim=-1).indices
-        exact = (self.rows[top] @ x.to(self.rows.dtype)[..., None])[..., 0]
+        rows = self.rows_of(self._target_head(), self.head)
+        if rows is None:
+            return logits
+        top = logits.topk(min(self.k, logits.shape[-1]), dim=-1).indices
+        exact = (rows[top] @ x.to(rows.dtype)[..., None])[..., 0]
         if self.head.bias is not None:
             exact = exact + self.head.bias[top]
         return logits.scatter(-1, top, exact.to(logits.dtype))
-
-
-def exact_head_rows(model: PreTrainedModel) -> torch.Tensor | None:
-    """The target's output head as plain ``[vocab, hidden]`` rows it already holds: the head's own weight, else
-    the input embeddings a tied head shares; None where neither is at hand (an untied head packed for its
-    kernel keeps no plain weight)."""
-    weight = getattr(model.get_output_embeddings(), "weight", None)
-    if not _plain_rows(weight) and getattr(model.config.get_text_config(decoder=True), "tie_word_embeddings", False):
-        weight = getattr(model.get_input_embeddings(), "weight", None)
-    return weight.detach() if _plain_rows(weight) else None
-
-
-def _plain_rows(weight: object) -> bool:
-    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.is_floating_point()
-            and not weight.is_meta)
 
 
 def draft_bytes(context: PatchContext, bits: int) -> int:
@@ -157,5 +159,6 @@ SELF_DRAFTS = {8: "int8 per-channel copy of the target", 4: "int4 (groups of 32)
 
 def describe(draft: nn.Module, bits: int) -> str:
     """What a self-draft is, for the report."""
-    exact = isinstance(draft.get_output_embeddings(), TopLogitsExact)
-    return SELF_DRAFTS[bits] + (" (its best 4 logits from the target's head)" if exact else "")
+    head = draft.get_output_embeddings()
+    exact = f" (its best {head.k} logits from the target's head)" if isinstance(head, TopLogitsExact) else ""
+    return SELF_DRAFTS[bits] + exact

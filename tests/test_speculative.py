@@ -469,7 +469,7 @@ def test_a_self_drafts_best_logits_come_from_the_targets_head_rows():
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 300)
-    head = TopLogitsExact(Int8WeightLinear(linear), linear.weight.detach(), k=4)
+    head = TopLogitsExact(Int8WeightLinear(linear), linear, k=4)
     x = torch.randn(2, 3, 64)
     rounded, refined = head.head(x), head(x)
     exact = linear(x).detach()
@@ -478,24 +478,43 @@ def test_a_self_drafts_best_logits_come_from_the_targets_head_rows():
     elsewhere = torch.ones_like(refined, dtype=torch.bool).scatter(-1, top, False)
     assert torch.equal(refined[elsewhere], rounded[elsewhere])
     assert not torch.equal(rounded.gather(-1, top), exact.gather(-1, top))  # the int8 head alone is off there
+    assert set(head.state_dict()) == {f"head.{name}" for name in head.head.state_dict()}  # nothing of the target's
+
+
+def test_the_int8_heads_rounding_no_longer_decides_the_draft():
+    from hf_accel_plugins.int8_layers import Int8WeightLinear
+    from hf_accel_plugins.self_drafts import TopLogitsExact
+
+    # Row 0's large first weight gives it a coarse int8 scale, which rounds its second weight (0.35) to 0.
+    # (Sizes the int8 kernel takes: 8 rows of 32.)
+    linear = torch.nn.Linear(32, 8, bias=False)
+    linear.weight.data = torch.zeros(8, 32) - 1.0
+    linear.weight.data[0, :2] = torch.tensor([100.0, 0.35])
+    linear.weight.data[1, :2] = torch.tensor([0.0, 1.2])
+    x = torch.zeros(1, 32)
+    x[0, :2] = torch.tensor([0.01, 1.0])
+    head = TopLogitsExact(Int8WeightLinear(linear), linear)
+    assert int(linear(x).argmax()) == 0 and int(head.head(x).argmax()) == 1
+    assert int(head(x).argmax()) == 0
 
 
 @pytest.mark.parametrize("arch, compile", [("gemma2", "auto"), ("gpt2", "auto"), ("llama", None), ("llama", "auto")])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_self_draft_reads_the_targets_own_head_rows_where_it_holds_them(arch, compile, bits):
-    from hf_accel_plugins.self_drafts import TopLogitsExact, own_bytes
+    from hf_accel_plugins.self_drafts import TopLogitsExact
 
     model = make_tiny_model(arch)
-    rows = model.get_output_embeddings().weight.data_ptr()  # not the tensor: a reference would keep it unpacked
     hf_accel.patch(model, compile=compile, speculative=f"self_int{bits}")
     draft = model._hf_accel_state.runner.drafts[0]
     head = draft.get_output_embeddings()
-    # A tied head (gemma2, gpt2) is the embeddings, kept plain; an untied one is packed away when compiled.
-    held = model.config.tie_word_embeddings or compile is None
-    assert isinstance(head, TopLogitsExact) == held
-    if held:
-        assert head.rows.data_ptr() == rows  # the target's tensor, not a copy
-        refined = own_bytes(draft, model)
-        draft.set_output_embeddings(head.head)
-        assert own_bytes(draft, model) == refined  # so the draft's memory is what it was
-    assert ("best 4 logits" in hf_accel.report(model)["speculative"].details["draft"]) == held
+    # A tied head (gemma2, gpt2) keeps its plain weight beside its packed copy; an untied one, packed, keeps none.
+    rows = TopLogitsExact.rows_of(model.get_output_embeddings(), draft.get_output_embeddings())
+    assert isinstance(head, TopLogitsExact) == (rows is not None)
+    assert (rows is None) == (compile == "auto" and not model.config.tie_word_embeddings and "PackedLinear" in str(
+        type(model.get_output_embeddings())))
+    assert ("best 4 logits" in hf_accel.report(model)["speculative"].details["draft"]) == (rows is not None)
+    if rows is not None:
+        assert rows.data_ptr() == model.get_output_embeddings().weight.data_ptr()  # the target's own, not a copy
+        replaced = torch.nn.Parameter(torch.randn_like(rows), requires_grad=False)
+        model.get_output_embeddings().weight = replaced  # read again on every call
+        assert TopLogitsExact.rows_of(head._target_head(), head.head).data_ptr() == replaced.data_ptr()
