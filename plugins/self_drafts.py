@@ -81,13 +81,15 @@ class TopLogitsExact(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.head(x)
-        rows = self.rows_of(self._target_head(), self.head)
+        target_head = self._target_head()
+        rows = self.rows_of(target_head, self.head)
         if rows is None:
             return logits
         top = logits.topk(min(self.k, logits.shape[-1]), dim=-1).indices
         exact = (rows[top] @ x.to(rows.dtype)[..., None])[..., 0]
-        if self.head.bias is not None:
-            exact = exact + self.head.bias[top]
+        bias = getattr(target_head, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            exact = exact + bias.detach()[top]
         return logits.scatter(-1, top, exact.to(logits.dtype))
 
 

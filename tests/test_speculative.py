@@ -479,6 +479,8 @@ def test_a_self_drafts_best_logits_come_from_the_targets_head_rows():
     assert torch.equal(refined[elsewhere], rounded[elsewhere])
     assert not torch.equal(rounded.gather(-1, top), exact.gather(-1, top))  # the int8 head alone is off there
     assert set(head.state_dict()) == {f"head.{name}" for name in head.head.state_dict()}  # nothing of the target's
+    linear.bias.data += 1.0  # the target's weight and bias, read on every call
+    torch.testing.assert_close(head(x).gather(-1, top), linear(x).detach().gather(-1, top), rtol=1e-6, atol=1e-6)
 
 
 def test_the_int8_heads_rounding_no_longer_decides_the_draft():
