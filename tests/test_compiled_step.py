@@ -172,13 +172,13 @@ def test_which_layer_inputs_let_attention_read_only_the_filled_slots():
 def test_a_new_graph_is_checked_against_the_layer_reading_every_slot(monkeypatch):
     """A graph that read the wrong slots would agree with an eager layer cut the same wrong way: the check's
     reference reads them all, so a wrong cut is refused."""
-    real = layer_graphs.cut_to_filled
+    real = layer_graphs.cut_masks
 
     def one_slot_short(layer_cache, args, kwargs):
         cut = real(layer_cache, args, kwargs)
-        return None if cut is None else (cut[0], cut[1], cut[2] - 1)
+        return cut[0], cut[1], cut[2] - 1
 
-    monkeypatch.setattr(layer_graphs, "cut_to_filled", one_slot_short)
+    monkeypatch.setattr(layer_graphs, "cut_masks", one_slot_short)
     model = make_tiny_model("llama")
     ids = left_padded_batch(model, (9,))[0]
     hf_accel.patch(model, **AT_ONCE)

@@ -279,7 +279,7 @@ class CompiledDecodeStep:
         """The compiled graph (looked up, never compiled here). If it raises, the cache's index is put back,
         the layer runs eagerly, and the step stays eager from then on."""
         misses, written_from = graphs.misses[0], layer_cache.cumulative_length.clone()
-        span, rest_args, rest_kwargs = graph_arguments(layer_cache, slot, args, kwargs)
+        span, rest_args, rest_kwargs = graph_arguments(layer_cache, slot, args, kwargs, shape.filled_slots)
         try:
             out = graphs.run(region.layer, layer_cache, slot, span, *rest_args, **rest_kwargs)
         except Exception as exc:  # an inductor runtime assert, out of memory, ...

@@ -108,25 +108,25 @@ def eager_layer(region: Region, layer_cache: Any, slot: int | str, args: tuple[A
     return type(region.layer).forward(region.layer, *args, **kwargs)
 
 
-def graph_arguments(layer_cache: Any, slot: int | str, args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> tuple[Any, ...]:
+def graph_arguments(layer_cache: Any, slot: int | str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    filled_slots: bool) -> tuple[Any, ...]:
     """What a layer's graph is called with after the layer, its cache layer and the cache's slot: the span of
     filled slots its attention reads (a zero-byte ``[filled, 0]`` tensor, whose length the graph leaves
     dynamic; None for all of them), then the call's arguments without the cache, cut to match.
-
-    Cut on CPU only: there reading the slots is the cost, while on a GPU reading the filled count would
-    wait for the device, and CUDA graphs want fixed shapes."""
+    ``filled_slots``: :func:`reads_filled_slots` of the call, judged once for its shape class."""
     rest_args, rest_kwargs = without_cache(args, kwargs, slot)
-    cut = cut_to_filled(layer_cache, rest_args, rest_kwargs) if layer_cache.keys.device.type == "cpu" else None
-    if cut is None:  # the same judgement as reads_filled_slots, which picks the call's shape class
+    if not filled_slots:
         return None, rest_args, rest_kwargs
-    rest_args, rest_kwargs, filled = cut
+    rest_args, rest_kwargs, filled = cut_masks(layer_cache, rest_args, rest_kwargs)
     return layer_cache.keys.new_empty(filled, 0), rest_args, rest_kwargs
 
 
 def reads_filled_slots(layer_cache: Any, slot: int | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a layer call's graph reads only the cache's filled slots (see :func:`graph_arguments`): part of
-    its shape class, since a graph serves calls of one kind only."""
+    its shape class, since a graph serves calls of one kind only.
+
+    On CPU only: there reading the slots is the cost, while on a GPU reading the filled count would wait for
+    the device, and CUDA graphs want fixed shapes."""
     return layer_cache.keys.device.type == "cpu" and _cuttable_call(layer_cache, *without_cache(args, kwargs, slot))
 
 
@@ -135,7 +135,8 @@ def side_graph_arguments(layer_cache: Any, slot: int | str, args: tuple[Any, ...
     """:func:`graph_arguments` for compiling on the side: copies of the arguments with every size that varies
     between calls marked dynamic (see :func:`~hf_accel.runtime.regions.side_inputs`), and the scratch cache
     layer the compiled graph writes instead of the real one (last)."""
-    span, args, kwargs = graph_arguments(layer_cache, slot, args, kwargs)
+    filled_slots = reads_filled_slots(layer_cache, slot, args, kwargs)
+    span, args, kwargs = graph_arguments(layer_cache, slot, args, kwargs, filled_slots)
     if span is not None:
         torch._dynamo.maybe_mark_dynamic(span, 0)
     side_args, side_kwargs, scratch = side_inputs(args, kwargs, layer_cache, layer_cache.max_cache_len,
@@ -144,11 +145,14 @@ def side_graph_arguments(layer_cache: Any, slot: int | str, args: tuple[Any, ...
 
 
 def cut_to_filled(layer_cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """:func:`cut_masks` where the call can be cut; None where an input spanning the cache's length cannot be
+    cut with the keys and values (a per-key bias such as Bloom's alibi, a mask object)."""
+    return cut_masks(layer_cache, args, kwargs) if _cuttable_call(layer_cache, args, kwargs) else None
+
+
+def cut_masks(layer_cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """A layer call's arguments (the cache left out) with every 4-D mask over the cache's slots cut to the
-    filled ones (this call's included), and their count; None where an input spanning the cache's length
-    cannot be cut with the keys and values (a per-key bias such as Bloom's alibi, a mask object)."""
-    if not _cuttable_call(layer_cache, args, kwargs):
-        return None
+    filled ones (this call's included), and their count."""
     length = layer_cache.max_cache_len
     filled = int(layer_cache.cumulative_length) + hidden_states_of(args, kwargs).shape[1]
 
