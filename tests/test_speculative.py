@@ -173,9 +173,10 @@ def test_generate_features_pass_through_unchanged(llama):
     out = greedy(llama, ids, mask, **kwargs)
     assert torch.equal(out.sequences, expected.sequences) and out.sequences.shape[1] == ids.shape[1] + 11
     assert stats(llama)["fallbacks_to_stock"] == 0  # batch 1: the loop's own scores
-    assert len(out.scores) == len(expected.scores) == len(out.logits)
-    for ours, theirs in zip(out.scores, expected.scores):
-        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    for name in ("scores", "logits"):
+        assert len(getattr(out, name)) == len(getattr(expected, name)) == 11
+        for ours, theirs in zip(getattr(out, name), getattr(expected, name)):
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
 def test_streamer_receives_prompt_then_every_token(llama):
@@ -227,6 +228,16 @@ def exact_continuations(model, prompt: torch.Tensor, mask: torch.Tensor, process
     return joint
 
 
+def padded_after(joint: torch.Tensor, vocab: int, n: int, eos: int, pad: int) -> torch.Tensor:
+    """``joint`` (see :func:`exact_continuations`) over the outcomes ``generate`` returns: every token after a
+    row's first ``eos`` is ``pad``."""
+    digits = torch.cartesian_prod(*[torch.arange(vocab)] * n).reshape(-1, n)
+    ended = (digits == eos).long().cummax(-1).values.bool()
+    after = torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1)
+    index = (digits.masked_fill(after, pad) * vocab ** torch.arange(n - 1, -1, -1)).sum(-1)
+    return torch.zeros_like(joint).index_add_(0, index, joint)
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 1.0, "top_k": 0}, {"temperature": 0.7, "top_k": 3},
                                       {"top_p": 0.7, "top_k": 0}, {"bad_words_ids": [[3]], "top_k": 0},
                                       {"min_p": 0.15, "top_k": 0}, {"typical_p": 0.8, "top_k": 0},
@@ -235,15 +246,25 @@ def exact_continuations(model, prompt: torch.Tensor, mask: torch.Tensor, process
                                       {"repetition_penalty": 1.8, "top_k": 0}, {"no_repeat_ngram_size": 2, "top_k": 0},
                                       {"suppress_tokens": [2], "top_k": 0},
                                       {"sequence_bias": {(1,): -1.5, (3, 2): 2.0}, "top_k": 0},
-                                      {"top_p": 0.9, "top_k": 0, "sequences": True}],
+                                      {"top_p": 0.9, "top_k": 0, "sequences": True},
+                                      {"min_new_tokens": 3, "eos_token_id": 3, "top_k": 0},
+                                      {"min_length": 7, "eos_token_id": 3, "top_k": 0},
+                                      {"exponential_decay_length_penalty": (1, 2.0), "eos_token_id": 3, "top_k": 0},
+                                      {"encoder_repetition_penalty": 2.0, "top_k": 0},
+                                      {"encoder_no_repeat_ngram_size": 2, "top_k": 0},
+                                      {"prefix_allowed_tokens_fn": lambda batch_id, ids: [t for t in range(4)
+                                                                                          if t != int(ids[-1])],
+                                       "top_k": 0}],
                          ids=["plain", "temperature-topk", "top-p", "bad-words", "min-p", "typical-p", "top-h",
                               "epsilon", "eta", "repetition-penalty", "no-repeat-ngram", "suppress", "sequence-bias",
-                              "num-return-sequences"])
+                              "num-return-sequences", "min-new-tokens", "min-length", "length-penalty",
+                              "encoder-repetition-penalty", "encoder-no-repeat-ngram", "allowed-tokens"])
 def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token(sampling, monkeypatch):
     """A left-padded batch of two prompts, 2000 rows each, samples 4 tokens from a 4-token vocabulary with
     drafts of 2: the first token comes from the prompt, the next two from draft positions 0 and 1 (or their
     resampling) and the fourth from the bonus token or a later draft. Each prompt's 256 outcomes are compared
-    with the target's exact distribution by a chi-square test at significance level 0.001 (seeded)."""
+    with the target's exact distribution by a chi-square test at significance level 0.001 (seeded). With an
+    EOS token, a row that drew it is padded from there, in the outcomes and in the exact distribution."""
     vocab, rows, new = 4, 2000, 4
     prompts = [torch.tensor([[1, 3, 2, 3]]), torch.tensor([[0, 0, 2, 1]])]  # the second left-padded
     masks = [torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0, 0, 1, 1]])]
@@ -257,10 +278,15 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
     sampling = dict(sampling)
     # The same rows, asked for as num_return_sequences per prompt (the loop expands them as stock does).
     sequences = sampling.pop("sequences", False)
-    settings = GenerationConfig(do_sample=True, **sampling)
+    allowed = sampling.get("prefix_allowed_tokens_fn")
+    settings = GenerationConfig(do_sample=True, num_beams=1, num_return_sequences=1,
+                                **{k: v for k, v in sampling.items() if v is not allowed})
     model._prepare_special_tokens(settings, True, "cpu")  # as generate does before building processors
     exact = [exact_continuations(model, p, m, model._get_logits_processor(  # stock's, for that prompt's padding
-        settings, model_kwargs={"attention_mask": m}), vocab, new) for p, m in zip(prompts, masks)]
+        settings, input_ids_seq_length=p.shape[1], encoder_input_ids=p, prefix_allowed_tokens_fn=allowed,
+        model_kwargs={"attention_mask": m}), vocab, new) for p, m in zip(prompts, masks)]
+    if "eos_token_id" in sampling:
+        exact = [padded_after(joint, vocab, new, sampling["eos_token_id"], pad=0) for joint in exact]
 
     ids = torch.cat([p.expand(1 if sequences else rows, -1) for p in prompts])
     mask = torch.cat([m.expand(1 if sequences else rows, -1) for m in masks])
@@ -270,8 +296,8 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
                    plugins=[drafter_plugin(lambda m, c: RandomDrafter(vocab), k=2, low=2, high=2)])
     kept_counts = []
 
-    def recording(p, draft, in_draft, draws=None):
-        kept, extra = accept_sampled(p, draft, in_draft, draws)
+    def recording(p, draft, in_draft, draws=None, kept=None):
+        kept, extra = accept_sampled(p, draft, in_draft, draws, kept)
         kept_counts.append(kept[draft.lengths == 2])
         return kept, extra
 

@@ -3,15 +3,27 @@ generate visibly; docs/features.md's table is the code's."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
+import sys
+import types
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import left_padded_batch, make_tiny_model
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from conftest import VOCAB, left_padded_batch, make_tiny_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedTokenizerFast,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.generation import stopping_criteria
 from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
@@ -20,6 +32,7 @@ from transformers.generation.logits_process import (
 )
 
 import hf_accel
+from hf_accel.runtime.speculative import loop as speculative_loop
 from hf_accel.runtime.speculative.processing import RowProcessors
 from hf_accel.runtime.speculative.settings import SETTINGS, blocking_settings, known_fields, settings_table
 
@@ -65,6 +78,22 @@ def test_each_covered_setting_gives_stocks_tokens_with_speculation(case, drafter
     assert details["fallbacks_to_stock"] == 0
     if drafter == "draft_model" and case != "max_time":
         assert details["accepted"] > 0
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "top-1 sampling"])
+def test_the_keep_decisions_made_while_processing_are_the_ones_applied(llama, monkeypatch, do_sample):
+    """Processing stops at a row's first rejected draft, so positions after it hold unprocessed scores: the
+    tokens kept must be the ones processing decided on, never a second reading of those scores. Here every
+    decision is a rejection (the drafts themselves, the target's own weights, would all be right)."""
+    ids, mask = left_padded_batch(llama)
+    kwargs = dict(max_new_tokens=12, do_sample=do_sample, repetition_penalty=1.3, **({"top_k": 1} if do_sample else {}))
+    expected = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    hf_accel.patch(llama, compile=None, speculative=make_tiny_model("llama"))
+    before = dict(hf_accel.report(llama)["speculative"].details)  # patch's own check ran a call
+    monkeypatch.setattr(speculative_loop.SpeculativeLoop, "_keeps", lambda *args: False)
+    assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
+    details = hf_accel.report(llama)["speculative"].details
+    assert details["drafted"] > before["drafted"] and details["accepted"] == before["accepted"]
 
 
 def test_a_call_without_a_length_makes_as_many_new_tokens_as_stock(llama):
@@ -277,6 +306,76 @@ def test_a_users_processor_or_criterion_with_a_batch_runs_stock(llama, argument,
     assert argument in caplog.text
 
 
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """One word per token id of the tiny models (``w3`` ... ``w511``), and the word stock's stop-string matcher
+    probes every tokenizer with."""
+    words = ["[UNK]", "<s>", "</s>", "abcdef"] + [f"w{i}" for i in range(4, VOCAB)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", bos_token="<s>", eos_token="</s>",
+                                   pad_token="[UNK]")
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_stop_strings_end_each_row_where_stock_ends_it(drafter):
+    """Two stop strings taken from the reference output, so that two rows stop at different lengths (one on a
+    drafted token) and the third runs to its budget; the rows that stopped are padded as stock pads them."""
+    tokenizer = word_tokenizer()
+    model = make_tiny_model("llama")
+    ids, mask = left_padded_batch(model)
+    n = ids.shape[1]
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    stops = tokenizer.convert_ids_to_tokens([int(reference[0, n + 4]), int(reference[2, n + 11])])
+    kwargs = dict(max_new_tokens=20, do_sample=False, stop_strings=stops, tokenizer=tokenizer)
+    expected = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    stopped = (expected[:, n:] == model.generation_config.pad_token_id).any(-1)
+    assert stopped.tolist() == [True, False, True]
+    speculative = make_tiny_model("llama") if drafter == "draft_model" else "ngram"
+    hf_accel.patch(model, compile=None, speculative=speculative)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
+    details = hf_accel.report(model)["speculative"].details
+    assert details["fallbacks_to_stock"] == 0 and details["drafted"] > 0
+
+
+def test_max_time_ends_each_row_mid_loop_with_stocks_tokens_so_far(llama, monkeypatch):
+    """``max_time`` asked at every drafted position, on a clock that moves one second per reading: each row
+    ends early, on its own step, with a prefix of stock's tokens, then padding. (Stock ends every row at the
+    same step, by wall time, so lengths are not stock's to compare.)"""
+    ids, mask = left_padded_batch(llama)
+    n, budget = ids.shape[1], 24
+    reference = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=budget, do_sample=False)
+    readings = itertools.count()
+    monkeypatch.setattr(stopping_criteria, "time", types.SimpleNamespace(time=lambda: float(next(readings))))
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=budget, do_sample=False, max_time=30.0)
+    pad = llama.generation_config.pad_token_id
+    for row, stock in zip(out[:, n:], reference[:, n:]):
+        made = next(k for k in range(row.shape[0], -1, -1) if torch.equal(row[:k], stock[:k]))
+        assert 2 <= made < budget and (row[made:] == pad).all(), (made, row)
+    details = hf_accel.report(llama)["speculative"].details
+    assert details["fallbacks_to_stock"] == 0 and details["accepted"] > 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_invalid_logits_are_removed_as_stock_removes_them(drafter):
+    """A head that gives one token NaN logits: greedy stock picks it, unless ``remove_invalid_values`` turns
+    them into zeros; the loop must process them the same way at every position."""
+    model = make_tiny_model("llama")
+    ids, mask = left_padded_batch(model)
+    n = ids.shape[1]
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    model.lm_head.register_forward_hook(lambda module, args, out: out.index_fill(-1, torch.tensor([9]), float("nan")))
+    kwargs = dict(max_new_tokens=16, do_sample=False, remove_invalid_values=True)
+    expected = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert torch.equal(expected, reference)  # NaN made zero: below the best logit everywhere here
+    unprocessed = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    assert (unprocessed[:, n:] == 9).all()  # without the processor, NaN wins every argmax
+    hf_accel.patch(model, compile=None, speculative=make_tiny_model("llama") if drafter == "draft_model" else "ngram")
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
+    details = hf_accel.report(model)["speculative"].details
+    assert details["fallbacks_to_stock"] == 0 and details["drafted"] > 0
+
+
 def test_stop_strings_without_a_tokenizer_fail_as_in_stock(llama):
     ids, mask = left_padded_batch(llama, (5,))
     with pytest.raises(ValueError, match="tokenizer") as stock_error:
@@ -302,6 +401,21 @@ def test_a_fallback_warns_once_per_reason_and_is_counted(llama, caplog):
         "generation setting num_beams (beam search)": 3}  # one reason per setting, whatever its value
 
 
+@pytest.mark.parametrize("call, remedy", [
+    ({"output_scores": True, "return_dict_in_generate": True}, "call generate with one row at a time, or without"),
+    ({"max_time": 10.0, "eos_token_id": []}, "eos_token_id"),
+    ({"logits_processor": LogitsProcessorList([Recorder(5)])}, "call generate with one row at a time"),
+], ids=["scores", "no-eos", "users-processor"])
+def test_a_fallback_that_no_setting_causes_says_what_to_change_instead(llama, caplog, call, remedy):
+    ids, mask = left_padded_batch(llama)
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **call)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert remedy in warning and "drop that setting" not in warning
+    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 1
+
+
 def test_a_model_cards_settings_that_block_speculation_are_listed(tmp_path, capsys):
     from hf_accel.tools.cli import main
 
@@ -314,6 +428,59 @@ def test_a_model_cards_settings_that_block_speculation_are_listed(tmp_path, caps
     out = capsys.readouterr().out
     assert "num_beams=3" in out and "guidance_scale=1.5" in out and "repetition_penalty" not in out
     assert "cache_implementation" not in out
+
+
+def test_a_model_cards_settings_that_block_batches_are_listed_apart(tmp_path, capsys):
+    from hf_accel.tools.cli import main
+
+    GenerationConfig(return_dict_in_generate=True, output_scores=True, max_time=5.0,
+                     eos_token_id=None).save_pretrained(tmp_path)
+    assert main(["doctor", "--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "every generate call" not in out and "generate calls with batch > 1" in out
+    assert "output_scores=True" in out and "max_time=5.0 without an eos_token_id" in out
+
+
+def test_a_model_without_a_generation_config_is_read_from_its_config(tmp_path, capsys):
+    from hf_accel.tools.cli import main
+
+    make_tiny_model("llama").config.save_pretrained(tmp_path)  # config.json only, as older checkpoints ship
+    assert main(["doctor", "--model", str(tmp_path)]) == 0
+    assert "leaves speculative decoding on for every call" in capsys.readouterr().out
+
+
+#: Where each setting the table calls covered is checked against stock, besides ``CASES`` (greedy identity above).
+SAMPLED = "test_speculative.py::test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token"
+COVERED_BY = {
+    **{key: SAMPLED for key in ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "top_h",
+                                "epsilon_cutoff", "eta_cutoff")},
+    "encoder_no_repeat_ngram_size": "test_no_bigram_of_the_prompt_again",
+    "forced_bos_token_id": "test_a_forced_first_token_after_a_one_token_prompt",
+    "max_length": "test_a_max_length_set_anywhere_counts_the_prompt_as_stock_counts_it",
+    "max_new_tokens": "test_a_max_length_set_anywhere_counts_the_prompt_as_stock_counts_it",
+    "eos_token_id": "test_speculative.py::test_partially_accepted_drafts_and_eos_inside_a_draft",
+    "pad_token_id": "test_speculative.py::test_partially_accepted_drafts_and_eos_inside_a_draft",
+    "max_time": "test_max_time_ends_each_row_mid_loop_with_stocks_tokens_so_far",
+    "stop_strings": "test_stop_strings_end_each_row_where_stock_ends_it",
+    "num_return_sequences": "test_several_returned_sequences_are_expanded_as_stock_expands_them",
+    "remove_invalid_values": "test_invalid_logits_are_removed_as_stock_removes_them",
+    "renormalize_logits": "test_settings_that_reshape_scores_give_stocks_scores",
+    "output_scores": "test_speculative.py::test_generate_features_pass_through_unchanged",
+    "output_logits": "test_speculative.py::test_generate_features_pass_through_unchanged",
+    "return_dict_in_generate": "test_speculative.py::test_generate_features_pass_through_unchanged",
+    "use_cache": "test_speculative.py::test_greedy_ngram_is_token_identical_to_stock",
+}
+
+
+def test_every_setting_called_covered_has_a_test_against_stock():
+    import test_speculative
+
+    covered = {key for key, (status, _) in SETTINGS.items() if status == "covered"}
+    tested = {key for key in CASES if key in SETTINGS} | set(COVERED_BY)
+    assert covered == tested, (covered - tested, tested - covered)
+    for where in COVERED_BY.values():
+        module, _, name = where.rpartition("::")
+        assert hasattr(test_speculative if module else sys.modules[__name__], name), where
 
 
 def test_every_generation_config_field_is_classified_and_the_docs_table_is_the_codes():

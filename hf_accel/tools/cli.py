@@ -6,7 +6,7 @@ import argparse
 import logging
 import platform
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -165,22 +165,34 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _print_speculation_blockers(model_dir: str) -> None:
-    from transformers import GenerationConfig
+    from hf_accel.runtime.speculative.settings import batch_blocking_settings, blocking_settings
 
-    from hf_accel.runtime.speculative.settings import blocking_settings
+    config = _generation_config_of(model_dir)
+    blocking, batches = blocking_settings(config), batch_blocking_settings(config)
+    if not blocking and not batches:
+        print(f"{model_dir}: its generation config leaves speculative decoding on for every call")
+    without = "run without speculation (stock generate, with the patch's cache and compiled step)"
+    for settings, calls in ((blocking, "every generate call"), (batches, "generate calls with batch > 1")):
+        if settings:
+            print(f"{model_dir}: these settings of its generation config make {calls} {without}:")
+            for setting in settings:
+                print(f"  {setting}")
+
+
+def _generation_config_of(model_dir: str) -> Any:
+    """The generation config ``from_pretrained`` gives the model: its ``generation_config.json``, else the
+    generation settings of its ``config.json`` (older checkpoints keep them there)."""
+    from transformers import AutoConfig, GenerationConfig
 
     try:
-        config = GenerationConfig.from_pretrained(model_dir)
-    except OSError as exc:
-        raise CLIError(f"--model {model_dir}: no generation config to read ({exc})") from None
-    blocking = blocking_settings(config)
-    if not blocking:
-        print(f"{model_dir}: its generation config leaves speculative decoding on for every call")
-        return
-    print(f"{model_dir}: these settings of its generation config make generate run without speculation "
-          "(stock generate, with the patch's cache and compiled step):")
-    for setting in blocking:
-        print(f"  {setting}")
+        return GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        pass
+    try:
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"--model {model_dir}: neither a generation_config.json nor a config.json to read "
+                       f"({exc}); pass a local model directory") from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -212,36 +212,44 @@ class SpeculativeLoop:
         in_draft = torch.arange(width, device=logits.device)[None, :] < draft.lengths[:, None]
         # Drawn first: with processors, each row is processed only up to its first rejection, decided by these.
         draws = torch.rand(len(self.rows), width, device=logits.device) if self.config.do_sample else None
-        scores = self._process(logits, draft, draws)
+        scores, decided = self._process(logits, draft, draws)
         if self.config.do_sample:
-            kept, extra = accept_sampled(scores.softmax(-1), draft, in_draft, draws)
+            kept, extra = accept_sampled(scores.softmax(-1), draft, in_draft, draws, kept=decided)
         else:
             choice = scores.argmax(-1)
-            kept = ((choice[:, :width] == draft.tokens) & in_draft).long().cumprod(-1).sum(-1)
+            kept = decided if decided is not None else (
+                ((choice[:, :width] == draft.tokens) & in_draft).long().cumprod(-1).sum(-1))
             extra = choice.gather(1, kept[:, None])[:, 0]
         tokens = torch.cat([draft.tokens, extra[:, None]], dim=1)
         tokens.scatter_(1, kept[:, None], extra[:, None])
         return kept, tokens, scores
 
-    def _process(self, logits: torch.Tensor, draft: Draft, draws: torch.Tensor | None) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, draft: Draft,
+                 draws: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits processors at each position with the prefix stock generate would pass, row by row, up to
         the row's first rejected draft: later positions hold prefixes stock never builds (a processor may
-        keep state or refuse them), and their scores are never used."""
+        keep state or refuse them), and their scores are never used. Also how many drafts each row keeps:
+        decided here, where the processing stops, so that the two can never disagree (None without
+        processors)."""
         self._stop_checked = {}
         if not any(self.processors):
-            return logits
+            return logits, None
         out = logits.clone()
+        kept = torch.zeros(len(self.rows), dtype=torch.long, device=logits.device)
         for b, row in enumerate(self.rows):
             prefix = row
             for j in range(logits.shape[1]):
                 stops = j > 0 and self._stops(b, prefix, out[b, :j])  # asked after every token, as stock asks
                 if bool(self.finished[b]) or self._ends(prefix, with_token=j > 0) or stops:
                     break  # stock makes no more tokens for this row
-                out[b, j] = self.processors[b](prefix[None], logits[b, j][None].clone())[0]
+                # The logits themselves, as stock passes them: what a processor changes in place (a user's ban,
+                # remove_invalid_values) is in the logits the call returns, as in stock's.
+                out[b, j] = self.processors[b](prefix[None], logits[b, j][None])[0]
                 if j >= int(draft.lengths[b]) or not self._keeps(out[b, j], draft, b, j, draws):
                     break
+                kept[b] = j + 1
                 prefix = torch.cat([prefix, draft.tokens[b, j : j + 1]])
-        return out
+        return out, kept
 
     def _ends(self, prefix: torch.Tensor, with_token: bool) -> bool:
         """Whether a row whose tokens are ``prefix`` has ended (its last token, if new, is EOS; or its budget
@@ -315,13 +323,13 @@ class SpeculativeLoop:
         return tuple(out)
 
 
-def accept_sampled(p: torch.Tensor, draft: Draft, in_draft: torch.Tensor,
-                   draws: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_sampled(p: torch.Tensor, draft: Draft, in_draft: torch.Tensor, draws: torch.Tensor | None = None,
+                   kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact speculative sampling. ``p``: the target's probabilities at each of the k+1 positions.
 
     Draft token x at position j is accepted with probability min(1, p(x) / q(x)); at the first rejection the
     token is resampled from max(p - q, 0), normalised; if every draft is accepted, one more is sampled from p.
-    ``draws``: the uniform draws ``u`` (``[batch, k]``), when the caller decided with them already.
+    ``draws``: the uniform draws ``u`` (``[batch, k]``); ``kept``: what the caller decided with them already.
     """
     batch, width = draft.tokens.shape
     vocab = p.shape[-1]
@@ -330,12 +338,13 @@ def accept_sampled(p: torch.Tensor, draft: Draft, in_draft: torch.Tensor,
         q.scatter_(2, draft.tokens[..., None], 1.0)
     else:
         q = draft.probs.to(p.dtype)
-    p_x = p[:, :width].gather(2, draft.tokens[..., None])[..., 0]
-    q_x = q.gather(2, draft.tokens[..., None])[..., 0]
-    u = torch.rand(batch, width, device=p.device) if draws is None else draws
-    ok = u * q_x < p_x  # u < p/q (u in [0, 1)) without dividing by zero
-    ok &= in_draft & (q_x > 0)
-    kept = ok.long().cumprod(-1).sum(-1)
+    if kept is None:
+        p_x = p[:, :width].gather(2, draft.tokens[..., None])[..., 0]
+        q_x = q.gather(2, draft.tokens[..., None])[..., 0]
+        u = torch.rand(batch, width, device=p.device) if draws is None else draws
+        ok = u * q_x < p_x  # u < p/q (u in [0, 1)) without dividing by zero
+        ok &= in_draft & (q_x > 0)
+        kept = ok.long().cumprod(-1).sum(-1)
     rows = torch.arange(batch, device=p.device)
     target = p[rows, kept]
     rejected = kept < draft.lengths

@@ -19,9 +19,22 @@ _MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "logits_to_keep"})
 _GENERATE_ARGS = ("inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
                   "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
                   "negative_prompt_attention_mask", "custom_generate")
-#: Calls stock ``generate`` refuses: the fallback lets it raise its own error, without a warning first.
-STOCK_RAISES_FOR_STOP_STRINGS = "stop_strings without tokenizer= (stock generate raises for it)"
-STOCK_RAISES_FOR_SEQUENCES = "num_return_sequences > 1 without sampling (stock generate raises for it)"
+
+@dataclass(frozen=True)
+class Fallback:
+    """Why the loop cannot run a call exactly (the report counts calls per ``reason``), and what the user can
+    change to keep speculation. ``stock_raises``: stock ``generate`` refuses the call itself, and says why."""
+
+    reason: str
+    remedy: str
+    stock_raises: bool = False
+
+
+_STOCK_RAISES_FOR_STOP_STRINGS = Fallback("stop_strings without tokenizer= (stock generate raises for it)",
+                                          "pass tokenizer= with stop_strings", stock_raises=True)
+_STOCK_RAISES_FOR_SEQUENCES = Fallback("num_return_sequences > 1 without sampling (stock generate raises for it)",
+                                       "sample (do_sample=True) for several sequences per prompt", stock_raises=True)
+_ONE_ROW = "call generate with one row at a time"
 _NOT_COVERED = ("synced_gpus", "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
                 "custom_generate", "assistant_tokenizer")
 
@@ -38,24 +51,25 @@ class CallPlan:
     max_new_tokens: int
 
 
-def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallPlan | str:
-    """Read a ``generate`` call as stock would; a string says why the loop cannot run it exactly."""
+def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallPlan | Fallback:
+    """Read a ``generate`` call as stock would; a :class:`Fallback` says why the loop cannot run it exactly."""
     named = dict(zip(_GENERATE_ARGS, args))
     if len(args) > len(_GENERATE_ARGS) or set(named) & set(kwargs):
-        return "positional arguments beyond generate's signature"
+        return Fallback("positional arguments beyond generate's signature", "pass generate's arguments by name")
     named.update(kwargs)
     for name in _NOT_COVERED:
         if named.pop(name, None) is not None:
-            return f"generate argument {name!r}"
+            return Fallback(f"generate argument {name!r}", "drop that argument")
     input_ids = named.pop("inputs", None)
     if input_ids is None:
         input_ids = named.pop("input_ids", None)
     else:
         named.pop("input_ids", None)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        return "inputs other than a [batch, length] tensor of token ids"
+        return Fallback("inputs other than a [batch, length] tensor of token ids",
+                        "pass input_ids as a [batch, length] tensor of token ids")
     if model.config.is_encoder_decoder:
-        return "encoder-decoder models"
+        return Fallback("encoder-decoder models", "nothing in the call: the loop drafts for decoder-only models")
     extra = {k: named.pop(k, None)
              for k in ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn", "tokenizer")}
     call_settings = dict(named)
@@ -66,7 +80,8 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         return why
     max_new = generated_length(model, config, call_settings, input_ids)  # sets min_length as stock does too
     if max_new < 1:
-        return "no tokens to generate (max_length <= prompt length)"
+        return Fallback("no tokens to generate (max_length <= prompt length)",
+                        "ask for new tokens with max_new_tokens (max_length counts the prompt)")
     if config.pad_token_id is None:
         eos = config.eos_token_id
         config.pad_token_id = eos[0] if isinstance(eos, list) else eos
@@ -74,25 +89,28 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         attention_mask = _infer_attention_mask(input_ids, config)
     if config.num_return_sequences > 1:
         if not config.do_sample:  # stock refuses it without beams; let it say so
-            return STOCK_RAISES_FOR_SEQUENCES
+            return _STOCK_RAISES_FOR_SEQUENCES
         input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
         attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
     if extra["streamer"] is not None and input_ids.shape[0] > 1:
-        return "a streamer with batch > 1 (streamers take one row)"
+        return Fallback("a streamer with batch > 1 (streamers take one row)", _ONE_ROW + " when streaming")
     if (config.output_scores or config.output_logits) and input_ids.shape[0] > 1:
         # Stock keeps scoring rows that ended (on padding) until the last row ends; the loop stops running them.
-        return "output_scores/output_logits with batch > 1"
+        return Fallback("output_scores/output_logits with batch > 1",
+                        _ONE_ROW + ", or without output_scores/output_logits")
     if extra["tokenizer"] is None and config.stop_strings:
-        return STOCK_RAISES_FOR_STOP_STRINGS
+        return _STOCK_RAISES_FOR_STOP_STRINGS
     if input_ids.shape[0] > 1 and config.eos_token_id in (None, []) and (config.stop_strings or config.max_time):
         # Without an EOS token stock pads no row: a row a stop string or the clock ended keeps generating real
         # tokens until every row has ended; the loop would stop it.
-        return "stop_strings or max_time with batch > 1 and no eos_token_id"
+        return Fallback("stop_strings or max_time with batch > 1 and no eos_token_id",
+                        "set the model's generation_config.eos_token_id (or pass eos_token_id=), or " + _ONE_ROW)
     for name in ("logits_processor", "stopping_criteria"):
         if extra[name] and input_ids.shape[0] > 1:
             # Built-in processors are built per row; a user's object is one for the whole batch and may read
             # rows by index or keep per-row state, so calling it one row at a time could change its answers.
-            return f"a {name} of your own with batch > 1 (the loop calls it one row at a time)"
+            return Fallback(f"a {name} of your own with batch > 1 (the loop calls it one row at a time)",
+                            _ONE_ROW + ", or express it as a generation setting where one exists")
     model._prepare_special_tokens(config, True, input_ids.device)
     # Each row's processors are built and called as a batch of one (the prompt row it came from, for
     # prefix_allowed_tokens_fn: stock numbers expanded rows by their prompt).
@@ -136,10 +154,11 @@ def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> 
     return torch.ones_like(input_ids)
 
 
-def unsupported_setting(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
+def unsupported_setting(config: GenerationConfig, model_kwargs: dict[str, Any]) -> Fallback | None:
     """What in a call the loop cannot reproduce exactly (see :mod:`hf_accel.runtime.speculative.settings`), or None."""
     blocking = blocking_settings(config, with_values=False)  # one reason per setting, whatever its value
     if blocking:
-        return f"generation setting {blocking[0]}"
+        return Fallback(f"generation setting {blocking[0]}",
+                        "drop that setting from the call (or from the model's generation_config)")
     extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_INPUTS and v is not None)
-    return f"generate argument {extra[0]!r}" if extra else None
+    return Fallback(f"generate argument {extra[0]!r}", "drop that argument") if extra else None

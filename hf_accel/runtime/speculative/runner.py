@@ -4,6 +4,7 @@ right caches and compiled forwards, or handed to stock generate with the reason 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,12 +14,7 @@ from hf_accel.runtime.cached_lm import CachedLM, can_share
 from hf_accel.runtime.compiled_step import CHECK_TOLERANCE
 from hf_accel.runtime.contracts import Call, DecodeStep
 from hf_accel.runtime.speculative.loop import DrafterFactory, DraftLength, SpeculativeLoop, SpeculativeStats, to_output
-from hf_accel.runtime.speculative.plan import (
-    STOCK_RAISES_FOR_SEQUENCES,
-    STOCK_RAISES_FOR_STOP_STRINGS,
-    CallPlan,
-    plan_call,
-)
+from hf_accel.runtime.speculative.plan import CallPlan, Fallback, plan_call
 
 if TYPE_CHECKING:
     from hf_accel.patching.backends import PatchContext
@@ -45,6 +41,7 @@ class SpeculativeRunner:
         self.draft_length = draft_length
         self.stats = SpeculativeStats()
         self._logged: set[str] = set()
+        self._counting = threading.Lock()  # the counts and the once-per-reason warnings, across threads
         # id(draft model) -> its compiled forward (the target uses the patch's)
         self._compiled: dict[int, DecodeStep | None] = {}
         #: The models the drafters run (a quantized copy a backend made, a user's draft model).
@@ -59,8 +56,9 @@ class SpeculativeRunner:
 
     def __call__(self, call: Call) -> Any:
         plan = plan_call(call.model, call.args, call.kwargs)
-        self.stats.calls += 1
-        if isinstance(plan, str):
+        with self._counting:
+            self.stats.calls += 1
+        if isinstance(plan, Fallback):
             return self._fallback(call, plan)
         drafter = self.make_drafter(call.model, plan.config)
         compiled: list[DecodeStep] = []  # the compiled forwards this call runs, told how long it was when it ends
@@ -76,8 +74,9 @@ class SpeculativeRunner:
             made = max((row.shape[0] for row in loop.rows), default=loop.prompt_length) - loop.prompt_length
             for step in compiled:
                 step.end_call(made)
-        self.stats.add(loop.stats)
-        self.details.update(self.stats.as_details(), draft_length=self.draft_length.k)
+        with self._counting:
+            self.stats.add(loop.stats)
+            self.details.update(self.stats.as_details(), draft_length=self.draft_length.k)
         return to_output(loop, plan.config)
 
     def _cached_lm(self, call: Call, plan: CallPlan, model: torch.nn.Module, role: str,
@@ -115,22 +114,24 @@ class SpeculativeRunner:
                 tolerance=DRAFT_CHECK_TOLERANCE)
         return self._compiled[id(model)]
 
-    def _fallback(self, call: Call, reason: str) -> Any:
-        stock_raises = reason in (STOCK_RAISES_FOR_STOP_STRINGS, STOCK_RAISES_FOR_SEQUENCES)
-        if call.state.arguments.get("strict") and not stock_raises:
+    def _fallback(self, call: Call, fallback: Fallback) -> Any:
+        reason = fallback.reason
+        if call.state.arguments.get("strict") and not fallback.stock_raises:
             raise PatchError(f"speculative decoding does not cover {reason}, and the model was patched with "
-                             "strict=True, so this call is refused instead of running stock generate; drop that "
-                             "setting, or patch with strict=False (docs/features.md lists what is covered)",
-                             feature="speculative")
-        self.stats.fallbacks += 1
-        reasons = self.details.setdefault("fallback_reasons", {})
-        reasons[reason] = reasons.get(reason, 0) + 1
-        self.details.update(self.stats.as_details())
-        if reason not in self._logged and not stock_raises:
+                             "strict=True, so this call is refused instead of running stock generate; to keep "
+                             f"speculation: {fallback.remedy}; or patch with strict=False (docs/features.md lists "
+                             "what is covered)", feature="speculative")
+        with self._counting:  # calls from several threads count every fallback, and warn once per reason
+            self.stats.fallbacks += 1
+            reasons = self.details.setdefault("fallback_reasons", {})
+            reasons[reason] = reasons.get(reason, 0) + 1
+            self.details.update(self.stats.as_details())
+            warn = reason not in self._logged and not fallback.stock_raises
             self._logged.add(reason)
+        if warn:
             logger.warning("hf_accel: speculative decoding does not cover %s, so this call (and any like it) runs "
-                           "stock generate with the patch's cache and compiled step but no speculation; drop that "
-                           "setting to keep it (docs/features.md lists what is covered)", reason)
+                           "stock generate with the patch's cache and compiled step but no speculation; to keep "
+                           "it: %s (docs/features.md lists what is covered)", reason, fallback.remedy)
         return call.run_stock()
 
 

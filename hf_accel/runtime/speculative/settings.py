@@ -123,6 +123,17 @@ def blocking_settings(config: GenerationConfig, with_values: bool = True) -> lis
     return found
 
 
+def batch_blocking_settings(config: GenerationConfig) -> list[str]:
+    """The settings of ``config`` that send calls with more than one row (only those) to stock ``generate``,
+    each with the reason (see ``plan_call``)."""
+    found = [f"{key}=True (stock keeps scoring rows that ended until the last one ends)"
+             for key in ("output_scores", "output_logits") if getattr(config, key, False)]
+    if config.eos_token_id in (None, []):
+        found += [f"{key}={getattr(config, key)!r} without an eos_token_id (stock keeps generating rows that "
+                  "stopped, unpadded)" for key in ("stop_strings", "max_time") if getattr(config, key, None)]
+    return found
+
+
 #: Values that turn a fallback setting off without being its default (stock checks these, not the default;
 #: ``generate`` drops ``cache_implementation="hybrid"``, which older model cards carry, before using it).
 NEUTRAL: dict[str, object] = {"guidance_scale": 1.0, "penalty_alpha": 0.0, "num_beams": 1, "num_beam_groups": 1,
