@@ -228,14 +228,14 @@ def exact_continuations(model, prompt: torch.Tensor, mask: torch.Tensor, process
     return joint
 
 
-def padded_after(joint: torch.Tensor, vocab: int, n: int, eos: int, pad: int) -> torch.Tensor:
-    """``joint`` (see :func:`exact_continuations`) over the outcomes ``generate`` returns: every token after a
-    row's first ``eos`` is ``pad``."""
+def padded_after(joint: torch.Tensor, vocab: int, n: int, eos: int) -> torch.Tensor:
+    """``joint`` (see :func:`exact_continuations`) over the outcomes ``generate`` returns when it pads with a
+    symbol of its own (``vocab``) after a row's first ``eos``: indexed in base ``vocab + 1``."""
     digits = torch.cartesian_prod(*[torch.arange(vocab)] * n).reshape(-1, n)
     ended = (digits == eos).long().cummax(-1).values.bool()
     after = torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1)
-    index = (digits.masked_fill(after, pad) * vocab ** torch.arange(n - 1, -1, -1)).sum(-1)
-    return torch.zeros_like(joint).index_add_(0, index, joint)
+    index = (digits.masked_fill(after, vocab) * (vocab + 1) ** torch.arange(n - 1, -1, -1)).sum(-1)
+    return joint.new_zeros((vocab + 1) ** n).index_add_(0, index, joint)
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 1.0, "top_k": 0}, {"temperature": 0.7, "top_k": 3},
@@ -285,8 +285,11 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
     exact = [exact_continuations(model, p, m, model._get_logits_processor(  # stock's, for that prompt's padding
         settings, input_ids_seq_length=p.shape[1], encoder_input_ids=p, prefix_allowed_tokens_fn=allowed,
         model_kwargs={"attention_mask": m}), vocab, new) for p, m in zip(prompts, masks)]
-    if "eos_token_id" in sampling:
-        exact = [padded_after(joint, vocab, new, sampling["eos_token_id"], pad=0) for joint in exact]
+    # After an EOS a row is padded: with a symbol no token uses, so that padding is told apart from tokens.
+    eos = sampling.get("eos_token_id")
+    pad, base = (vocab, vocab + 1) if eos is not None else (0, vocab)
+    if eos is not None:
+        exact = [padded_after(joint, vocab, new, eos) for joint in exact]
 
     ids = torch.cat([p.expand(1 if sequences else rows, -1) for p in prompts])
     mask = torch.cat([m.expand(1 if sequences else rows, -1) for m in masks])
@@ -303,13 +306,13 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
 
     monkeypatch.setattr(speculative_loop, "accept_sampled", recording)
     torch.manual_seed(1)
-    out = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new, pad_token_id=0,
+    out = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new, pad_token_id=pad,
                          **sampling)[:, 4:]
     kept = torch.bincount(torch.cat(kept_counts), minlength=3)
     assert (kept > 100).all(), kept  # rejections at draft positions 0 and 1, and bonus tokens, each often
-    index = sum(out[:, j] * vocab ** (new - 1 - j) for j in range(new))
+    index = sum(out[:, j] * base ** (new - 1 - j) for j in range(new))
     for i in range(len(prompts)):
-        observed = torch.bincount(index[i * rows:(i + 1) * rows], minlength=vocab ** new).double()
+        observed = torch.bincount(index[i * rows:(i + 1) * rows], minlength=base ** new).double()
         assert observed[exact[i] == 0].sum() == 0  # nothing the processors ruled out
         assert chi_square_p_value(observed, exact[i] * rows) > 0.001
 

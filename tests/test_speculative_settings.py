@@ -222,11 +222,14 @@ def test_settings_that_reshape_scores_give_stocks_scores(llama, settings):
         torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("settings", [{"guidance_scale": 1.0}, {"low_memory": True}, {"penalty_alpha": 0.0}])
+@pytest.mark.parametrize("settings", [{"guidance_scale": 1.0}, {"low_memory": True}, {"penalty_alpha": 0.0},
+                                      {"use_cache": False}])
 def test_settings_that_do_nothing_do_not_turn_speculation_off(llama, settings):
-    ids, mask = left_padded_batch(llama, (5,))
+    ids, mask = left_padded_batch(llama)
+    expected = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **settings)
     hf_accel.patch(llama, compile=None, speculative="ngram")
-    llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **settings)
+    out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **settings)
+    assert torch.equal(out, expected)
     assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
 
 
@@ -356,16 +359,19 @@ def test_max_time_ends_each_row_mid_loop_with_stocks_tokens_so_far(llama, monkey
     assert details["fallbacks_to_stock"] == 0 and details["accepted"] > 0
 
 
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "top-1 sampling"])
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
-def test_invalid_logits_are_removed_as_stock_removes_them(drafter):
+def test_invalid_logits_are_removed_as_stock_removes_them(drafter, do_sample):
     """A head that gives one token NaN logits: greedy stock picks it, unless ``remove_invalid_values`` turns
-    them into zeros; the loop must process them the same way at every position."""
+    them into zeros; the loop must process them the same way at every position, and never draw from a
+    position it left unprocessed (a row's budget ends inside drafts of the target's own weights)."""
     model = make_tiny_model("llama")
     ids, mask = left_padded_batch(model)
     n = ids.shape[1]
     reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
     model.lm_head.register_forward_hook(lambda module, args, out: out.index_fill(-1, torch.tensor([9]), float("nan")))
-    kwargs = dict(max_new_tokens=16, do_sample=False, remove_invalid_values=True)
+    kwargs = dict(max_new_tokens=16, do_sample=do_sample, remove_invalid_values=True,
+                  **({"top_k": 1} if do_sample else {}))
     expected = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     assert torch.equal(expected, reference)  # NaN made zero: below the best logit everywhere here
     unprocessed = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
@@ -384,6 +390,18 @@ def test_stop_strings_without_a_tokenizer_fail_as_in_stock(llama):
     with pytest.raises(ValueError, match="tokenizer") as patched_error:
         llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, stop_strings=["x"])
     assert str(patched_error.value) == str(stock_error.value)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_call_stock_refuses_gets_stocks_error_without_a_warning(llama, caplog, strict):
+    ids, mask = left_padded_batch(llama)  # 7 wide: max_length 3 leaves nothing to generate
+    with pytest.raises(ValueError, match="max_length") as stock_error:
+        llama.generate(input_ids=ids, attention_mask=mask, max_length=3, do_sample=False)
+    hf_accel.patch(llama, compile=None, speculative="ngram", strict=strict)
+    with caplog.at_level(logging.WARNING, logger="hf_accel"), pytest.raises(ValueError) as patched_error:
+        llama.generate(input_ids=ids, attention_mask=mask, max_length=3, do_sample=False)
+    assert str(patched_error.value) == str(stock_error.value)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_a_fallback_warns_once_per_reason_and_is_counted(llama, caplog):
@@ -468,7 +486,7 @@ COVERED_BY = {
     "output_scores": "test_speculative.py::test_generate_features_pass_through_unchanged",
     "output_logits": "test_speculative.py::test_generate_features_pass_through_unchanged",
     "return_dict_in_generate": "test_speculative.py::test_generate_features_pass_through_unchanged",
-    "use_cache": "test_speculative.py::test_greedy_ngram_is_token_identical_to_stock",
+    "use_cache": "test_settings_that_do_nothing_do_not_turn_speculation_off",
 }
 
 

@@ -182,12 +182,16 @@ def _print_speculation_blockers(model_dir: str) -> None:
 def _generation_config_of(model_dir: str) -> Any:
     """The generation config ``from_pretrained`` gives the model: its ``generation_config.json``, else the
     generation settings of its ``config.json`` (older checkpoints keep them there)."""
+    from pathlib import Path
+
     from transformers import AutoConfig, GenerationConfig
 
-    try:
-        return GenerationConfig.from_pretrained(model_dir)
-    except OSError:
-        pass
+    if (Path(model_dir) / "generation_config.json").is_file():
+        try:
+            return GenerationConfig.from_pretrained(model_dir)
+        except (OSError, ValueError) as exc:
+            raise CLIError(f"--model {model_dir}: its generation_config.json cannot be read ({exc}); fix or "
+                           "remove it") from None
     try:
         return GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
     except (OSError, ValueError) as exc:

@@ -241,9 +241,10 @@ class SpeculativeLoop:
             for j in range(logits.shape[1]):
                 stops = j > 0 and self._stops(b, prefix, out[b, :j])  # asked after every token, as stock asks
                 if bool(self.finished[b]) or self._ends(prefix, with_token=j > 0) or stops:
-                    break  # stock makes no more tokens for this row
-                # The logits themselves, as stock passes them: what a processor changes in place (a user's ban,
-                # remove_invalid_values) is in the logits the call returns, as in stock's.
+                    out[b, j] = 0  # stock makes no more tokens for this row: a finite row to draw a discarded one
+                    break
+                # The logits themselves, as stock passes them: what a processor writes in place (a user's ban)
+                # is in the logits the call returns, as in stock's.
                 out[b, j] = self.processors[b](prefix[None], logits[b, j][None])[0]
                 if j >= int(draft.lengths[b]) or not self._keeps(out[b, j], draft, b, j, draws):
                     break

@@ -69,7 +69,8 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         return Fallback("inputs other than a [batch, length] tensor of token ids",
                         "pass input_ids as a [batch, length] tensor of token ids")
     if model.config.is_encoder_decoder:
-        return Fallback("encoder-decoder models", "nothing in the call: the loop drafts for decoder-only models")
+        return Fallback("encoder-decoder models",
+                        "patch with speculative=None (the loop drafts for decoder-only models only)")
     extra = {k: named.pop(k, None)
              for k in ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn", "tokenizer")}
     call_settings = dict(named)
@@ -80,8 +81,8 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         return why
     max_new = generated_length(model, config, call_settings, input_ids)  # sets min_length as stock does too
     if max_new < 1:
-        return Fallback("no tokens to generate (max_length <= prompt length)",
-                        "ask for new tokens with max_new_tokens (max_length counts the prompt)")
+        return Fallback("no tokens to generate (max_length <= prompt length; stock generate raises for it)",
+                        "ask for new tokens with max_new_tokens (max_length counts the prompt)", stock_raises=True)
     if config.pad_token_id is None:
         eos = config.eos_token_id
         config.pad_token_id = eos[0] if isinstance(eos, list) else eos
@@ -94,7 +95,7 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
     if extra["streamer"] is not None and input_ids.shape[0] > 1:
         return Fallback("a streamer with batch > 1 (streamers take one row)", _ONE_ROW + " when streaming")
-    if (config.output_scores or config.output_logits) and input_ids.shape[0] > 1:
+    if config.return_dict_in_generate and (config.output_scores or config.output_logits) and input_ids.shape[0] > 1:
         # Stock keeps scoring rows that ended (on padding) until the last row ends; the loop stops running them.
         return Fallback("output_scores/output_logits with batch > 1",
                         _ONE_ROW + ", or without output_scores/output_logits")
@@ -104,7 +105,8 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         # Without an EOS token stock pads no row: a row a stop string or the clock ended keeps generating real
         # tokens until every row has ended; the loop would stop it.
         return Fallback("stop_strings or max_time with batch > 1 and no eos_token_id",
-                        "set the model's generation_config.eos_token_id (or pass eos_token_id=), or " + _ONE_ROW)
+                        "set an eos_token_id (rows that stop are then padded with it, as stock pads them), "
+                        "or " + _ONE_ROW)
     for name in ("logits_processor", "stopping_criteria"):
         if extra[name] and input_ids.shape[0] > 1:
             # Built-in processors are built per row; a user's object is one for the whole batch and may read
@@ -161,4 +163,6 @@ def unsupported_setting(config: GenerationConfig, model_kwargs: dict[str, Any]) 
         return Fallback(f"generation setting {blocking[0]}",
                         "drop that setting from the call (or from the model's generation_config)")
     extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_INPUTS and v is not None)
-    return Fallback(f"generate argument {extra[0]!r}", "drop that argument") if extra else None
+    return Fallback(f"generate argument {extra[0]!r}",
+                    "the loop reads token ids only: drop that input where the model does not need it"
+                    ) if extra else None

@@ -31,7 +31,8 @@ class RowProcessors:
     calls every time). A list holding a processor that takes more than ``(input_ids, scores)`` is called as
     it is (stock asks for its extra arguments and raises).
 
-    Unlike the list, it may return ``scores`` itself, or write into it: pass a tensor of your own (a clone).
+    As with the list, a processor may return ``scores`` itself, or write into it (stock passes its logits and
+    returns them with what its processors wrote): pass a clone to keep the logits as they were.
 
     Example::
 

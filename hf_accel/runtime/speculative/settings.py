@@ -126,8 +126,9 @@ def blocking_settings(config: GenerationConfig, with_values: bool = True) -> lis
 def batch_blocking_settings(config: GenerationConfig) -> list[str]:
     """The settings of ``config`` that send calls with more than one row (only those) to stock ``generate``,
     each with the reason (see ``plan_call``)."""
-    found = [f"{key}=True (stock keeps scoring rows that ended until the last one ends)"
-             for key in ("output_scores", "output_logits") if getattr(config, key, False)]
+    found = [f"{key}=True with return_dict_in_generate (stock keeps scoring rows that ended until the last "
+             "one ends)" for key in ("output_scores", "output_logits")
+             if config.return_dict_in_generate and getattr(config, key, False)]
     if config.eos_token_id in (None, []):
         found += [f"{key}={getattr(config, key)!r} without an eos_token_id (stock keeps generating rows that "
                   "stopped, unpadded)" for key in ("stop_strings", "max_time") if getattr(config, key, None)]
