@@ -20,6 +20,7 @@ _GENERATE_ARGS = ("inputs", "generation_config", "logits_processor", "stopping_c
                   "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
                   "negative_prompt_attention_mask", "custom_generate")
 
+
 @dataclass(frozen=True)
 class Fallback:
     """Why the loop cannot run a call exactly (the report counts calls per ``reason``), and what the user can
