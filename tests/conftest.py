@@ -60,19 +60,24 @@ def _fresh_plugin_manager(monkeypatch):
     reset_plugin_manager()
 
 
+def word_tokenizer(words: list[str]):
+    """A whitespace word-level tokenizer: ``[UNK]`` (also padding), ``<s>``, ``</s>``, then ``words``, one id each."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", *words])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", bos_token="<s>", eos_token="</s>",
+                                   pad_token="[UNK]")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny llama and a word-level tokenizer (its chat template: the messages' text, as plain encoding gives it)
     saved as a local model directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     path = tmp_path_factory.mktemp("tiny")
-    words = ["[UNK]", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", bos_token="<s>",
-                                        eos_token="</s>", pad_token="[UNK]")
+    tokenizer = word_tokenizer([f"w{i}" for i in range(VOCAB - 3)])
     tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
     tokenizer.save_pretrained(path)
     make_tiny_model("llama").save_pretrained(path)

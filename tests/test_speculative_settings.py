@@ -13,16 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, left_padded_batch, make_tiny_model
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (
-    GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
-    PreTrainedTokenizerFast,
-    StoppingCriteria,
-    StoppingCriteriaList,
-)
+from conftest import VOCAB, left_padded_batch, make_tiny_model, word_tokenizer
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation import stopping_criteria
 from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
@@ -309,21 +301,13 @@ def test_a_users_processor_or_criterion_with_a_batch_runs_stock(llama, argument,
     assert argument in caplog.text
 
 
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    """One word per token id of the tiny models (``w3`` ... ``w511``), and the word stock's stop-string matcher
-    probes every tokenizer with."""
-    words = ["[UNK]", "<s>", "</s>", "abcdef"] + [f"w{i}" for i in range(4, VOCAB)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", bos_token="<s>", eos_token="</s>",
-                                   pad_token="[UNK]")
-
-
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 def test_stop_strings_end_each_row_where_stock_ends_it(drafter):
     """Two stop strings taken from the reference output, so that two rows stop at different lengths (one on a
     drafted token) and the third runs to its budget; the rows that stopped are padded as stock pads them."""
-    tokenizer = word_tokenizer()
+    # One word per token id of the tiny models (w4 ... w511 by their ids), after the word stock's stop-string
+    # matcher probes every tokenizer with.
+    tokenizer = word_tokenizer(["abcdef"] + [f"w{i}" for i in range(4, VOCAB)])
     model = make_tiny_model("llama")
     ids, mask = left_padded_batch(model)
     n = ids.shape[1]
