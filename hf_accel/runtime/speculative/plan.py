@@ -12,7 +12,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from hf_accel.runtime.generation import generated_length
 from hf_accel.runtime.speculative.processing import RowProcessors
-from hf_accel.runtime.speculative.settings import blocking_settings
+from hf_accel.runtime.speculative.settings import blocking_settings, returns_scores, stops_without_eos
 
 #: Model inputs a call may pass besides the token ids (anything else falls back to stock generate).
 _MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "logits_to_keep"})
@@ -96,15 +96,12 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
     if extra["streamer"] is not None and input_ids.shape[0] > 1:
         return Fallback("a streamer with batch > 1 (streamers take one row)", _ONE_ROW + " when streaming")
-    if config.return_dict_in_generate and (config.output_scores or config.output_logits) and input_ids.shape[0] > 1:
-        # Stock keeps scoring rows that ended (on padding) until the last row ends; the loop stops running them.
+    if returns_scores(config) and input_ids.shape[0] > 1:
         return Fallback("output_scores/output_logits with batch > 1",
                         _ONE_ROW + ", or without output_scores/output_logits")
     if extra["tokenizer"] is None and config.stop_strings:
         return _STOCK_RAISES_FOR_STOP_STRINGS
-    if input_ids.shape[0] > 1 and config.eos_token_id in (None, []) and (config.stop_strings or config.max_time):
-        # Without an EOS token stock pads no row: a row a stop string or the clock ended keeps generating real
-        # tokens until every row has ended; the loop would stop it.
+    if stops_without_eos(config) and input_ids.shape[0] > 1:
         return Fallback("stop_strings or max_time with batch > 1 and no eos_token_id",
                         "set an eos_token_id (rows that stop are then padded with it, as stock pads them), "
                         "or " + _ONE_ROW)

@@ -123,13 +123,26 @@ def blocking_settings(config: GenerationConfig, with_values: bool = True) -> lis
     return found
 
 
+def returns_scores(config: GenerationConfig) -> bool:
+    """Whether calls return per-step scores or logits: stock keeps scoring rows that ended, on padding, until
+    the last row ends, which the loop does not (it stops running them), so batches of them run stock."""
+    return bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
+
+
+def stops_without_eos(config: GenerationConfig) -> bool:
+    """Whether a stop string or the clock may end a row while there is no EOS token to pad it with: stock then
+    keeps generating real tokens for it until every row has ended, which the loop would not, so batches of
+    them run stock."""
+    return config.eos_token_id in (None, []) and bool(config.stop_strings or config.max_time)
+
+
 def batch_blocking_settings(config: GenerationConfig) -> list[str]:
     """The settings of ``config`` that send calls with more than one row (only those) to stock ``generate``,
     each with the reason (see ``plan_call``)."""
     found = [f"{key}=True with return_dict_in_generate (stock keeps scoring rows that ended until the last "
              "one ends)" for key in ("output_scores", "output_logits")
-             if config.return_dict_in_generate and getattr(config, key, False)]
-    if config.eos_token_id in (None, []):
+             if returns_scores(config) and getattr(config, key, False)]
+    if stops_without_eos(config):
         found += [f"{key}={getattr(config, key)!r} without an eos_token_id (stock keeps generating rows that "
                   "stopped, unpadded)" for key in ("stop_strings", "max_time") if getattr(config, key, None)]
     return found
