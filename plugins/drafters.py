@@ -80,8 +80,10 @@ class ModelDrafter:
                 logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=-float("inf"))
         if not any(loop.draft_processors):
             return logits
-        out = torch.empty_like(logits)
+        out = logits.clone()
         for b, row in enumerate(loop.rows):
+            if bool(loop.finished[b]):  # its drafts are dropped unverified (Draft.only): not worth processing
+                continue
             prefix = torch.cat([row, *(token[b:b + 1] for token in drafted)])
             out[b] = loop.draft_processors[b](prefix[None], logits[b:b + 1].clone())[0]
         return out

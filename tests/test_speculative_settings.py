@@ -3,6 +3,7 @@ generate visibly; docs/features.md's table is the code's."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import re
@@ -35,8 +36,9 @@ CASES = {
     "no_repeat_ngram_size": lambda ref, n: {"no_repeat_ngram_size": 2},
     "min_new_tokens": lambda ref, n: {"eos_token_id": int(ref[0, n + 1]), "min_new_tokens": 9},
     "min_length": lambda ref, n: {"eos_token_id": int(ref[1, n + 2]), "min_length": n + 10},
-    "min_new_tokens over min_length": lambda ref, n: {"eos_token_id": int(ref[0, n + 1]), "min_new_tokens": 1,
+    "min_new_tokens over min_length": lambda ref, n: {"eos_token_id": int(ref[0, n]), "min_new_tokens": 1,
                                                       "min_length": n + 15},  # stock: min_new_tokens wins
+    "several eos ids": lambda ref, n: {"eos_token_id": [int(ref[0, n + 5]), int(ref[1, n + 2])], "min_new_tokens": 4},
     "bad_words_ids": lambda ref, n: {"bad_words_ids": [[int(ref[0, n + 3])], [int(ref[1, n + 4]), int(ref[1, n + 5])]]},
     "sequence_bias": lambda ref, n: {"sequence_bias": {(int(ref[0, n + 2]),): -4.0, (int(ref[2, n + 6]),): 3.0}},
     "suppress_tokens": lambda ref, n: {"suppress_tokens": [int(ref[2, n + 1]), int(ref[0, n + 5])]},
@@ -59,17 +61,40 @@ def test_each_covered_setting_gives_stocks_tokens_with_speculation(case, drafter
     ids, mask = left_padded_batch(model)
     n = ids.shape[1]
     reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
-    kwargs = {"max_new_tokens": 20, "do_sample": False, **CASES[case](reference, n)}
+    setting = CASES[case](reference, n)
+    kwargs = {"max_new_tokens": 20, "do_sample": False, **setting}
     expected = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-    assert not torch.equal(expected, reference)  # the setting changes stock's output: identity is not trivial
+    # The setting itself changes stock's output (against the same call with only its EOS): identity is not trivial.
+    same_eos = {k: v for k, v in kwargs.items() if k in ("max_new_tokens", "do_sample", "eos_token_id")}
+    assert not torch.equal(expected, model.generate(input_ids=ids, attention_mask=mask, **same_eos))
     # A draft model with the target's weights: its drafts pass the same processors, so most are kept.
     speculative = make_tiny_model("llama") if drafter == "draft_model" else "ngram"
     hf_accel.patch(model, compile=None, speculative=speculative)
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
     details = hf_accel.report(model)["speculative"].details
     assert details["fallbacks_to_stock"] == 0
+    if case != "max_time":  # which stops every row at its first token, before any draft
+        assert details["drafted"] > 0
     if drafter == "draft_model" and case != "max_time":
         assert details["accepted"] > 0
+
+
+def test_a_model_cards_settings_apply_and_the_calls_own_override_them(llama):
+    ids, mask = left_padded_batch(llama)
+    reference = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    llama.generation_config.repetition_penalty = 1.3
+    llama.generation_config.no_repeat_ngram_size = 2
+    from_card = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    overridden = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                                repetition_penalty=1.6)
+    assert not torch.equal(from_card, reference) and not torch.equal(overridden, from_card)
+    hf_accel.patch(llama, compile=None, speculative=make_tiny_model("llama"))
+    assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False),
+                       from_card)
+    assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                                      repetition_penalty=1.6), overridden)
+    details = hf_accel.report(llama)["speculative"].details
+    assert details["fallbacks_to_stock"] == 0 and details["accepted"] > 0
 
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "top-1 sampling"])
@@ -115,10 +140,10 @@ def test_no_bigram_of_the_prompt_again(llama, drafter):
 
 def test_a_forced_first_token_after_a_one_token_prompt(llama):
     """forced_bos_token_id forces the token after a length-1 input (where an encoder-decoder starts)."""
-    ids, mask = left_padded_batch(llama, (1,))
+    ids, mask = left_padded_batch(llama, (1, 1))
     expected = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                               forced_bos_token_id=5)
-    assert int(expected[0, 1]) == 5
+    assert expected[:, 1].tolist() == [5, 5]
     hf_accel.patch(llama, compile=None, speculative="ngram")
     assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                                       forced_bos_token_id=5), expected)
@@ -139,7 +164,8 @@ def test_a_max_length_set_anywhere_counts_the_prompt_as_stock_counts_it(llama, w
     assert expected.shape[1] == 12
     hf_accel.patch(llama, compile=None, speculative="ngram")
     assert torch.equal(llama.generate(**kwargs), expected)
-    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
+    details = hf_accel.report(llama)["speculative"].details
+    assert details["fallbacks_to_stock"] == 0 and details["drafted"] > 0
 
 
 def test_allowed_tokens_by_prompt_and_prefix_with_several_sequences_per_prompt(llama):
@@ -157,10 +183,11 @@ def test_allowed_tokens_by_prompt_and_prefix_with_several_sequences_per_prompt(l
                   prefix_allowed_tokens_fn=allowed)
     expected = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
     stock_asked, asked = asked, set()
-    hf_accel.patch(llama, compile=None, speculative="ngram")
+    hf_accel.patch(llama, compile=None, speculative=make_tiny_model("llama"))  # the target's weights: drafts kept
     assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
     assert asked == stock_asked == {0, 1, 2}
-    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
+    details = hf_accel.report(llama)["speculative"].details
+    assert details["fallbacks_to_stock"] == 0 and details["drafted"] > 0
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
@@ -206,10 +233,11 @@ def test_settings_that_reshape_scores_give_stocks_scores(llama, settings):
     ids, mask = left_padded_batch(llama, (9,))
     kwargs = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True, **settings)
     expected = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
-    hf_accel.patch(llama, compile=None, speculative="ngram")
+    hf_accel.patch(llama, compile=None, speculative=make_tiny_model("llama"))  # scores at drafted positions too
     out = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
     assert torch.equal(out.sequences, expected.sequences)
-    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
+    details = hf_accel.report(llama)["speculative"].details
+    assert details["fallbacks_to_stock"] == 0 and details["drafted"] > 0
     for ours, stock in zip(out.scores, expected.scores, strict=True):
         torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
 
@@ -232,7 +260,8 @@ def test_several_returned_sequences_are_expanded_as_stock_expands_them(llama):
     hf_accel.patch(llama, compile=None, speculative="ngram")
     out = llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
     assert out.shape[0] == 9 and torch.equal(out, expected)
-    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
+    details = hf_accel.report(llama)["speculative"].details
+    assert details["fallbacks_to_stock"] == 0 and details["drafted"] > 0
 
 
 class Recorder(LogitsProcessor, StoppingCriteria):
@@ -304,7 +333,8 @@ def test_a_users_processor_or_criterion_with_a_batch_runs_stock(llama, argument,
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 def test_stop_strings_end_each_row_where_stock_ends_it(drafter):
     """Two stop strings taken from the reference output, so that two rows stop at different lengths (one on a
-    drafted token) and the third runs to its budget; the rows that stopped are padded as stock pads them."""
+    drafted token, one on a string that spans two tokens) and the third runs to its budget; the rows that
+    stopped are padded as stock pads them."""
     # One word per token id of the tiny models (w4 ... w511 by their ids), after the word stock's stop-string
     # matcher probes every tokenizer with.
     tokenizer = word_tokenizer(["abcdef"] + [f"w{i}" for i in range(4, VOCAB)])
@@ -312,11 +342,15 @@ def test_stop_strings_end_each_row_where_stock_ends_it(drafter):
     ids, mask = left_padded_batch(model)
     n = ids.shape[1]
     reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
-    stops = tokenizer.convert_ids_to_tokens([int(reference[0, n + 4]), int(reference[2, n + 11])])
+    word = tokenizer.convert_ids_to_tokens
+    stops = [word(int(reference[0, n + 4])),  # decoded, tokens are space-separated: the second spans two
+             word(int(reference[2, n + 10]))[1:] + " " + word(int(reference[2, n + 11]))]
     kwargs = dict(max_new_tokens=20, do_sample=False, stop_strings=stops, tokenizer=tokenizer)
     expected = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     stopped = (expected[:, n:] == model.generation_config.pad_token_id).any(-1)
     assert stopped.tolist() == [True, False, True]
+    pad = model.generation_config.pad_token_id  # row 2 ended by the two-token string:
+    assert torch.equal(expected[2, :n + 12], reference[2, :n + 12]) and (expected[2, n + 12:] == pad).all()
     speculative = make_tiny_model("llama") if drafter == "draft_model" else "ngram"
     hf_accel.patch(model, compile=None, speculative=speculative)
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
@@ -395,7 +429,7 @@ def test_a_fallback_warns_once_per_reason_and_is_counted(llama, caplog):
         for _ in range(2):
             llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, do_sample=False)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "num_beams" in r.getMessage()]
-    assert len(warnings) == 1 and "drop that setting" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "drop num_beams=2 from the call" in warnings[0].getMessage()
     reasons = hf_accel.report(llama)["speculative"].details["fallback_reasons"]
     assert reasons == {"generation setting num_beams (beam search)": 2}
     llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False)
@@ -414,8 +448,68 @@ def test_a_fallback_that_no_setting_causes_says_what_to_change_instead(llama, ca
     with caplog.at_level(logging.WARNING, logger="hf_accel"):
         llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **call)
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert remedy in warning and "drop that setting" not in warning
+    assert remedy in warning and "drop " not in warning
     assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 1
+
+
+def test_expanded_rows_are_told_to_ask_for_one_sequence(llama, caplog):
+    ids, mask = left_padded_batch(llama, (5,))  # one prompt: "one row at a time" would not help
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=True, num_return_sequences=2,
+                       output_scores=True, return_dict_in_generate=True)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "one prompt at a time and num_return_sequences=1" in warning
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("call", [{"max_new_token": 4}, {"inputs": "ids"}], ids=["misspelt", "inputs-twice"])
+def test_a_call_stock_refuses_gets_stocks_own_error(llama, caplog, strict, call):
+    ids, mask = left_padded_batch(llama, (5,))
+    call = {k: ids if v == "ids" else v for k, v in call.items()}
+    with pytest.raises(ValueError) as stock:
+        llama.generate(input_ids=ids, attention_mask=mask, do_sample=False, **call)
+    hf_accel.patch(llama, compile=None, speculative="ngram", strict=strict)
+    with caplog.at_level(logging.WARNING, logger="hf_accel"), pytest.raises(ValueError) as ours:
+        llama.generate(input_ids=ids, attention_mask=mask, do_sample=False, **call)
+    assert type(ours.value) is type(stock.value) and str(ours.value) == str(stock.value)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]  # stock says what is wrong
+
+
+def test_synced_gpus_false_is_stocks_default_and_keeps_speculation(llama):
+    ids, mask = left_padded_batch(llama)
+    expected = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                      synced_gpus=False), expected)
+    details = hf_accel.report(llama)["speculative"].details
+    assert details["fallbacks_to_stock"] == 0 and details["drafted"] > 0
+
+
+def test_a_seeded_sampled_call_draws_the_same_tokens_whatever_ran_before(llama):
+    ids, mask = left_padded_batch(llama)
+    hf_accel.patch(llama, compile=None, speculative=make_tiny_model("llama"))
+
+    def seeded(max_new_tokens):
+        torch.manual_seed(0)
+        return llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=True)
+
+    first = seeded(16)
+    seeded(40)  # long enough for the draft length to move
+    assert torch.equal(seeded(16), first)
+
+
+def test_scores_are_kept_only_for_calls_that_return_them(llama, monkeypatch):
+    loops = []
+    run = speculative_loop.SpeculativeLoop.run
+    monkeypatch.setattr(speculative_loop.SpeculativeLoop, "run",
+                        lambda self, *a: (loops.append(self), run(self, *a))[1])
+    ids, mask = left_padded_batch(llama, (5,))
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, output_scores=True,
+                         output_logits=True)
+    assert isinstance(out, torch.Tensor) and loops[-1].stats.generated == 8
+    assert loops[-1].scores == [[]] and loops[-1].logits == [[]]  # stock keeps none: nothing to return them in
 
 
 def test_a_model_cards_settings_that_block_speculation_are_listed(tmp_path, capsys):
@@ -423,7 +517,7 @@ def test_a_model_cards_settings_that_block_speculation_are_listed(tmp_path, caps
 
     GenerationConfig(repetition_penalty=1.1, num_beams=3, guidance_scale=1.5,
                      cache_implementation="hybrid").save_pretrained(tmp_path)  # generate drops "hybrid" itself
-    assert sorted(blocking_settings(GenerationConfig.from_pretrained(tmp_path))) == [
+    assert sorted(map(str, blocking_settings(GenerationConfig.from_pretrained(tmp_path)))) == [
         "guidance_scale=1.5 (classifier-free guidance runs a second, unconditional pass with its own state)",
         "num_beams=3 (beam search)"]
     assert main(["doctor", "--model", str(tmp_path)]) == 0
@@ -459,9 +553,9 @@ COVERED_BY = {
     "encoder_no_repeat_ngram_size": "test_no_bigram_of_the_prompt_again",
     "forced_bos_token_id": "test_a_forced_first_token_after_a_one_token_prompt",
     "max_length": "test_a_max_length_set_anywhere_counts_the_prompt_as_stock_counts_it",
-    "max_new_tokens": "test_a_max_length_set_anywhere_counts_the_prompt_as_stock_counts_it",
+    "max_new_tokens": "test_each_covered_setting_gives_stocks_tokens_with_speculation",
     "eos_token_id": "test_speculative.py::test_partially_accepted_drafts_and_eos_inside_a_draft",
-    "pad_token_id": "test_speculative.py::test_partially_accepted_drafts_and_eos_inside_a_draft",
+    "pad_token_id": SAMPLED,  # rows padded with an id of their own after their EOS
     "max_time": "test_max_time_ends_each_row_mid_loop_with_stocks_tokens_so_far",
     "stop_strings": "test_stop_strings_end_each_row_where_stock_ends_it",
     "num_return_sequences": "test_several_returned_sequences_are_expanded_as_stock_expands_them",
@@ -480,9 +574,10 @@ def test_every_setting_called_covered_has_a_test_against_stock():
     covered = {key for key, (status, _) in SETTINGS.items() if status == "covered"}
     tested = {key for key in CASES if key in SETTINGS} | set(COVERED_BY)
     assert covered == tested, (covered - tested, tested - covered)
-    for where in COVERED_BY.values():
+    for key, where in COVERED_BY.items():
         module, _, name = where.rpartition("::")
-        assert hasattr(test_speculative if module else sys.modules[__name__], name), where
+        test = getattr(test_speculative if module else sys.modules[__name__], name)
+        assert key in inspect.getsource(test), f"{where} does not use {key}"
 
 
 def test_every_generation_config_field_is_classified_and_the_docs_table_is_the_codes():
@@ -545,6 +640,25 @@ def test_row_processors_score_exactly_as_the_list_they_wrap(length, dtype):
         RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, _MinNewTokensAndMore, _MinLengthAndMore,
         MinLengthLogitsProcessor]
     assert Counter(calls) == Counter(expected)
+
+
+class _BanInPlace(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        scores[:, 2] = -float("inf")
+        return scores
+
+
+# Before and past the minimum of 8 + 2: a processor that writes in place after a minimum-length one writes into
+# that one's copy in stock, so the logits passed in stay as they were (the loop returns them as the raw logits).
+@pytest.mark.parametrize("length", [9, 10, 12])
+def test_row_processors_leave_their_input_as_stock_leaves_it(length):
+    ban = _BanInPlace()
+    processors = LogitsProcessorList([MinNewTokensLengthLogitsProcessor(8, 2, eos_token_id=1), ban])
+    ids, logits = torch.zeros(1, length, dtype=torch.long), torch.randn(1, 5)
+    ours_in, stock_in = logits.clone(), logits.clone()
+    ours, stock = RowProcessors(processors, always_called=[ban])(ids, ours_in), processors(ids, stock_in)
+    assert torch.equal(ours, stock) and ours[0, 2] == -float("inf")
+    assert torch.equal(ours_in, stock_in) and torch.equal(ours_in, logits)
 
 
 def test_row_processors_read_a_minimum_changed_during_the_call():

@@ -9,7 +9,6 @@ target's distribution.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -19,9 +18,6 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_accel.runtime.cached_lm import CachedLM, can_share
 from hf_accel.runtime.speculative.processing import RowProcessors
-
-logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -275,9 +271,11 @@ class SpeculativeLoop:
                 continue
             for j in range(int(count[b])):
                 self.rows[b] = torch.cat([self.rows[b], tokens[b, j : j + 1]])
-                if self.config.output_scores:  # copies, so a chunk's [batch, k+1, vocab] tensor is not kept
+                # Kept only where the call returns them, as stock keeps them; copies, so that a chunk's
+                # [batch, k+1, vocab] tensor is not kept.
+                if self.config.return_dict_in_generate and self.config.output_scores:
                     self.scores[b].append(scores[b, j].clone())
-                if self.config.output_logits:
+                if self.config.return_dict_in_generate and self.config.output_logits:
                     self.logits[b].append(logits[b, j].clone())
                 self.stats.generated += 1
                 if self.streamer is not None:

@@ -35,7 +35,10 @@ _STOCK_RAISES_FOR_STOP_STRINGS = Fallback("stop_strings without tokenizer= (stoc
                                           "pass tokenizer= with stop_strings", stock_raises=True)
 _STOCK_RAISES_FOR_SEQUENCES = Fallback("num_return_sequences > 1 without sampling (stock generate raises for it)",
                                        "sample (do_sample=True) for several sequences per prompt", stock_raises=True)
-_ONE_ROW = "call generate with one row at a time"
+_STOCK_RAISES_FOR_INPUTS = Fallback("inputs and input_ids both passed (stock generate raises for it)",
+                                    "pass the token ids once", stock_raises=True)
+_STOCK_RAISES_FOR_MODEL_KWARGS = Fallback("generate arguments the model does not take (stock generate raises "
+                                          "for them)", "fix the argument's name", stock_raises=True)
 _NOT_COVERED = ("synced_gpus", "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
                 "custom_generate", "assistant_tokenizer")
 
@@ -59,13 +62,14 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         return Fallback("positional arguments beyond generate's signature", "pass generate's arguments by name")
     named.update(kwargs)
     for name in _NOT_COVERED:
-        if named.pop(name, None) is not None:
-            return Fallback(f"generate argument {name!r}", "drop that argument")
+        value = named.pop(name, None)
+        if value is not None and value is not False:  # synced_gpus=False is stock's default
+            return Fallback(f"generate argument {name!r}", f"drop {name}= from the call")
     input_ids = named.pop("inputs", None)
     if input_ids is None:
         input_ids = named.pop("input_ids", None)
-    else:
-        named.pop("input_ids", None)
+    elif named.get("input_ids") is not None:
+        return _STOCK_RAISES_FOR_INPUTS
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         return Fallback("inputs other than a [batch, length] tensor of token ids",
                         "pass input_ids as a [batch, length] tensor of token ids")
@@ -76,6 +80,10 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
              for k in ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn", "tokenizer")}
     call_settings = dict(named)
     config, model_kwargs = model._prepare_generation_config(named.pop("generation_config", None), **named)
+    try:
+        model._validate_model_kwargs(model_kwargs.copy())  # a misspelt argument: stock names it
+    except ValueError:
+        return _STOCK_RAISES_FOR_MODEL_KWARGS
     attention_mask = model_kwargs.pop("attention_mask", None)
     why = unsupported_setting(config, model_kwargs)
     if why:
@@ -94,23 +102,24 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
             return _STOCK_RAISES_FOR_SEQUENCES
         input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
         attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
+    one_row = _one_row(config)
     if extra["streamer"] is not None and input_ids.shape[0] > 1:
-        return Fallback("a streamer with batch > 1 (streamers take one row)", _ONE_ROW + " when streaming")
+        return Fallback("a streamer with batch > 1 (streamers take one row)", one_row + " when streaming")
     if returns_scores(config) and input_ids.shape[0] > 1:
         return Fallback("output_scores/output_logits with batch > 1",
-                        _ONE_ROW + ", or without output_scores/output_logits")
+                        one_row + ", or without output_scores/output_logits")
     if extra["tokenizer"] is None and config.stop_strings:
         return _STOCK_RAISES_FOR_STOP_STRINGS
     if stops_without_eos(config) and input_ids.shape[0] > 1:
         return Fallback("stop_strings or max_time with batch > 1 and no eos_token_id",
                         "set an eos_token_id (rows that stop are then padded with it, as stock pads them), "
-                        "or " + _ONE_ROW)
+                        "or " + one_row)
     for name in ("logits_processor", "stopping_criteria"):
         if extra[name] and input_ids.shape[0] > 1:
             # Built-in processors are built per row; a user's object is one for the whole batch and may read
             # rows by index or keep per-row state, so calling it one row at a time could change its answers.
             return Fallback(f"a {name} of your own with batch > 1 (the loop calls it one row at a time)",
-                            _ONE_ROW + ", or express it as a generation setting where one exists")
+                            one_row + ", or express it as a generation setting where one exists")
     model._prepare_special_tokens(config, True, input_ids.device)
     # Each row's processors are built and called as a batch of one (the prompt row it came from, for
     # prefix_allowed_tokens_fn: stock numbers expanded rows by their prompt).
@@ -145,6 +154,13 @@ def _row_processors(model: Any, config: GenerationConfig, input_ids: torch.Tenso
         model_kwargs={"attention_mask": mask[row:row + 1]}), always_called=extra["logits_processor"] or ())
 
 
+def _one_row(config: GenerationConfig) -> str:
+    """The remedy for what the loop runs for one row only (expanded rows count as rows)."""
+    if config.num_return_sequences > 1:
+        return "call generate with one prompt at a time and num_return_sequences=1"
+    return "call generate with one row at a time"
+
+
 def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
     """Stock's rule: the pad token marks padding, unless it is also the EOS token."""
     pad, eos = config.pad_token_id, config.eos_token_id
@@ -156,10 +172,11 @@ def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> 
 
 def unsupported_setting(config: GenerationConfig, model_kwargs: dict[str, Any]) -> Fallback | None:
     """What in a call the loop cannot reproduce exactly (see :mod:`hf_accel.runtime.speculative.settings`), or None."""
-    blocking = blocking_settings(config, with_values=False)  # one reason per setting, whatever its value
+    blocking = blocking_settings(config)
     if blocking:
-        return Fallback(f"generation setting {blocking[0]}",
-                        "drop that setting from the call (or from the model's generation_config)")
+        key, value, why = blocking[0]  # counted per setting, whatever its value
+        return Fallback(f"generation setting {key} ({why})",
+                        f"drop {key}={value!r} from the call (or from the model's generation_config)")
     extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_INPUTS and v is not None)
     return Fallback(f"generate argument {extra[0]!r}",
                     "the loop reads token ids only: drop that input where the model does not need it"

@@ -56,8 +56,13 @@ class RowProcessors:
         if not self._takes_two:
             return self.processors(input_ids, scores)
         length = input_ids.shape[-1]
+        copy_owed = False
         for processor, unchanged_from in zip(self.processors, self._unchanged_from):
             # The threshold is read on every call, as the processor reads its own settings.
-            if unchanged_from is None or length < unchanged_from(processor):
-                scores = processor(input_ids, scores)
+            if unchanged_from is not None and length >= unchanged_from(processor):
+                copy_owed = True  # the skipped processor would have returned a copy, which later ones write into
+                continue
+            if copy_owed:
+                scores, copy_owed = scores.clone(), False
+            scores = processor(input_ids, scores)
         return scores

@@ -3,6 +3,7 @@ right caches and compiled forwards, or handed to stock generate with the reason 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,9 @@ class SpeculativeRunner:
         self.draft_length = draft_length
         self.stats = SpeculativeStats()
         self._logged: set[str] = set()
-        self._counting = threading.Lock()  # the counts and the once-per-reason warnings, across threads
+        # The counts and the once-per-reason warnings: calls run one at a time per model, but one runner's
+        # counts may be read (report) while a call adds to them.
+        self._counting = threading.Lock()
         # id(draft model) -> its compiled forward (the target uses the patch's)
         self._compiled: dict[int, DecodeStep | None] = {}
         #: The models the drafters run (a quantized copy a backend made, a user's draft model).
@@ -61,9 +64,12 @@ class SpeculativeRunner:
         if isinstance(plan, Fallback):
             return self._fallback(call, plan)
         drafter = self.make_drafter(call.model, plan.config)
+        # Each call adapts a draft length of its own from the same start, so that a seeded sampled call draws
+        # the same tokens whatever calls came before it (the draft length decides how the draws are used).
+        draft_length = dataclasses.replace(self.draft_length)
         compiled: list[DecodeStep] = []  # the compiled forwards this call runs, told how long it was when it ends
         loop = SpeculativeLoop(call.model, drafter, plan.config, plan.processors, plan.stopping, plan.streamer,
-                               plan.max_new_tokens, self.draft_length,
+                               plan.max_new_tokens, draft_length,
                                make_lm=lambda model, role="target", over=None: self._cached_lm(
                                    call, plan, model, role, compiled, over),
                                draft_processors=plan.draft_processors)
@@ -76,7 +82,7 @@ class SpeculativeRunner:
                 step.end_call(made)
         with self._counting:
             self.stats.add(loop.stats)
-            self.details.update(self.stats.as_details(), draft_length=self.draft_length.k)
+            self.details.update(self.stats.as_details(), draft_length=draft_length.k)
         return to_output(loop, plan.config)
 
     def _cached_lm(self, call: Call, plan: CallPlan, model: torch.nn.Module, role: str,
@@ -121,7 +127,7 @@ class SpeculativeRunner:
                              "strict=True, so this call is refused instead of running stock generate; to keep "
                              f"speculation: {fallback.remedy}; or patch with strict=False (docs/features.md lists "
                              "what is covered)", feature="speculative")
-        with self._counting:  # calls from several threads count every fallback, and warn once per reason
+        with self._counting:
             self.stats.fallbacks += 1
             reasons = self.details.setdefault("fallback_reasons", {})
             reasons[reason] = reasons.get(reason, 0) + 1

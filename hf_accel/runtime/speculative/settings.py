@@ -10,13 +10,17 @@ watermarking), and outputs the loop does not compute.
 
 from __future__ import annotations
 
+import functools
+from typing import Any, NamedTuple
+
 from transformers import GenerationConfig
 
 COVERED = "covered"
 NO_EFFECT = "no effect on tokens"
 FALLBACK = "stock generate"
 
-#: Every ``GenerationConfig`` field (transformers 5.23-5.24): how the loop treats a non-default value, and why.
+#: Every ``GenerationConfig`` field (transformers 5.23-5.25; a test checks the installed version's): how the
+#: loop treats a non-default value, and why.
 SETTINGS: dict[str, tuple[str, str]] = {
     # lengths and stopping
     "max_length": (COVERED, "length limit"),
@@ -103,9 +107,25 @@ SETTINGS: dict[str, tuple[str, str]] = {
 }
 
 
-def blocking_settings(config: GenerationConfig, with_values: bool = True) -> list[str]:
-    """The non-default settings of ``config`` that send a call to stock ``generate``, each with the reason
-    (``key=value (why)``; without the value when ``with_values`` is False: one reason per setting)."""
+#: Values that turn a fallback setting off without being its default (stock checks these, not the default;
+#: ``generate`` drops ``cache_implementation="hybrid"``, which older model cards carry, before using it).
+NEUTRAL: dict[str, object] = {"guidance_scale": 1.0, "penalty_alpha": 0.0, "num_beams": 1, "num_beam_groups": 1,
+                              "cache_implementation": "hybrid"}
+
+
+class BlockingSetting(NamedTuple):
+    """A setting that sends calls to stock ``generate``: its name, its value and why (``str``: ``key=value (why)``)."""
+
+    key: str
+    value: Any
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value!r} ({self.why})"
+
+
+def blocking_settings(config: GenerationConfig) -> list[BlockingSetting]:
+    """The non-default settings of ``config`` that send a call to stock ``generate``, each with the reason."""
     defaults = config._get_default_generation_params()
     fields = known_fields()
     found = []
@@ -119,7 +139,7 @@ def blocking_settings(config: GenerationConfig, with_values: bool = True) -> lis
             NO_EFFECT, "not a transformers setting")  # a model card's own entry: generate ignores it
         status, why = SETTINGS.get(key, unknown)
         if status == FALLBACK:
-            found.append(f"{key}={value!r} ({why})" if with_values else f"{key} ({why})")
+            found.append(BlockingSetting(key, value, why))
     return found
 
 
@@ -148,12 +168,6 @@ def batch_blocking_settings(config: GenerationConfig) -> list[str]:
     return found
 
 
-#: Values that turn a fallback setting off without being its default (stock checks these, not the default;
-#: ``generate`` drops ``cache_implementation="hybrid"``, which older model cards carry, before using it).
-NEUTRAL: dict[str, object] = {"guidance_scale": 1.0, "penalty_alpha": 0.0, "num_beams": 1, "num_beam_groups": 1,
-                              "cache_implementation": "hybrid"}
-
-
 def settings_table() -> str:
     """The Markdown table of every setting and how the loop treats it (docs/features.md holds a copy)."""
     lines = ["| setting | with speculation | why |", "| --- | --- | --- |"]
@@ -163,6 +177,7 @@ def settings_table() -> str:
     return "\n".join(lines)
 
 
-def known_fields() -> set[str]:
+@functools.cache
+def known_fields() -> frozenset[str]:
     """The fields of this transformers version's ``GenerationConfig``."""
-    return set(GenerationConfig().to_dict())
+    return frozenset(GenerationConfig().to_dict())
