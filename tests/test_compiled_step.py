@@ -43,33 +43,6 @@ def greedy(model, ids, mask=None, n=40):
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
 
 
-def test_compiled_layers_are_token_identical_batch_3_and_1_past_the_window(tiny_model):
-    ids, mask = left_padded_batch(tiny_model)  # 7 + 40 tokens: past mistral's and gemma2's window of 16
-    expected_batch, expected_single = greedy(tiny_model, ids, mask), greedy(tiny_model, ids[:1], n=30)
-    hf_accel.patch(tiny_model, kv_cache="static", **AT_ONCE)
-    assert torch.equal(greedy(tiny_model, ids, mask), expected_batch)
-    assert torch.equal(greedy(tiny_model, ids[:1], n=30), expected_single)
-    details = compile_details(tiny_model)
-    assert details["failure"] is None and details["misses"] == 0
-    kinds = {shape.split(",")[0] for shape in details["shapes"]}
-    assert len(details["shapes"]) == 2 * len(kinds)  # batch 1 and batch > 1, single tokens, per kind of layer
-    assert all(status.startswith("compiled in") for status in details["shapes"].values())
-    assert details["compiled_steps"] == 39 + 29 - 2  # every decode step but the one that compiled its shape
-    assert details["check_error"] < compiled_step.CHECK_TOLERANCE and details["compile_seconds"] > 0
-
-
-def test_the_default_eager_layers_are_token_identical_batch_3_and_1_past_the_window(tiny_model, empty_store):
-    """compile_when="auto" with nothing compiled: every layer runs eagerly over the static cache's filled slots."""
-    ids, mask = left_padded_batch(tiny_model)
-    expected_batch, expected_single = greedy(tiny_model, ids, mask), greedy(tiny_model, ids[:1], n=30)
-    hf_accel.patch(tiny_model, compile="inductor", speculative=None)
-    assert torch.equal(greedy(tiny_model, ids, mask), expected_batch)
-    assert torch.equal(greedy(tiny_model, ids[:1], n=30), expected_single)
-    details = compile_details(tiny_model)
-    assert details["graphs_compiled"] == 0 and details["eager_steps"] == 39 + 29 and details["failure"] is None
-    assert all(status.startswith("eager for now") for status in details["shapes"].values())
-
-
 @pytest.fixture
 def poisoned_free_slots(monkeypatch):
     """Once switched on (``poisoned_free_slots[0] = True``), during every decode step the static cache's slots
@@ -97,22 +70,41 @@ def poisoned_free_slots(monkeypatch):
     return switch
 
 
-@pytest.mark.parametrize("when", ["auto", "first_use"])
-def test_layers_read_only_the_filled_slots_of_the_fixed_length_cache(tiny_model, when, empty_store,
-                                                                     poisoned_free_slots):
-    """Eager (auto, nothing compiled) and compiled layers alike: attention over a bucket's unfilled slots is
-    work for nothing (they are masked), so the layers read only the filled ones."""
-    ids, mask = left_padded_batch(tiny_model)
+def test_compiled_layers_are_token_identical_batch_3_and_1_past_the_window(tiny_model, poisoned_free_slots):
+    ids, mask = left_padded_batch(tiny_model)  # 7 + 40 tokens: past mistral's and gemma2's window of 16
     expected_batch, expected_single = greedy(tiny_model, ids, mask), greedy(tiny_model, ids[:1], n=30)
-    hf_accel.patch(tiny_model, compile="inductor", speculative=None, compile_when=when)
-    greedy(tiny_model, ids, mask), greedy(tiny_model, ids[:1], n=30)  # compiles both shape classes (first_use)
-    steps = compile_details(tiny_model)["compiled_steps"]
-    poisoned_free_slots[0] = True
+    hf_accel.patch(tiny_model, kv_cache="static", **AT_ONCE)
     assert torch.equal(greedy(tiny_model, ids, mask), expected_batch)
     assert torch.equal(greedy(tiny_model, ids[:1], n=30), expected_single)
     details = compile_details(tiny_model)
     assert details["failure"] is None and details["misses"] == 0
-    assert details["compiled_steps"] - steps == (39 + 29 if when == "first_use" else 0)
+    kinds = {shape.split(",")[0] for shape in details["shapes"]}
+    assert len(details["shapes"]) == 2 * len(kinds)  # batch 1 and batch > 1, single tokens, per kind of layer
+    assert all(status.startswith("compiled in") for status in details["shapes"].values())
+    assert details["compiled_steps"] == 39 + 29 - 2  # every decode step but the one that compiled its shape
+    assert details["check_error"] < compiled_step.CHECK_TOLERANCE and details["compile_seconds"] > 0
+    # Again with the cache's unfilled slots poisoned: attention over them is work for nothing (they are
+    # masked), so the compiled layers read only the filled ones.
+    poisoned_free_slots[0] = True
+    assert torch.equal(greedy(tiny_model, ids, mask), expected_batch)
+    assert torch.equal(greedy(tiny_model, ids[:1], n=30), expected_single)
+    details = compile_details(tiny_model)
+    assert details["misses"] == 0 and details["compiled_steps"] == 2 * (39 + 29) - 2
+
+
+def test_the_default_eager_layers_are_token_identical_batch_3_and_1_past_the_window(tiny_model, empty_store,
+                                                                                     poisoned_free_slots):
+    """compile_when="auto" with nothing compiled: every layer runs eagerly over the static cache's filled slots
+    (the unfilled ones poisoned)."""
+    ids, mask = left_padded_batch(tiny_model)
+    expected_batch, expected_single = greedy(tiny_model, ids, mask), greedy(tiny_model, ids[:1], n=30)
+    hf_accel.patch(tiny_model, compile="inductor", speculative=None)
+    poisoned_free_slots[0] = True
+    assert torch.equal(greedy(tiny_model, ids, mask), expected_batch)
+    assert torch.equal(greedy(tiny_model, ids[:1], n=30), expected_single)
+    details = compile_details(tiny_model)
+    assert details["graphs_compiled"] == 0 and details["eager_steps"] == 39 + 29 and details["failure"] is None
+    assert all(status.startswith("eager for now") for status in details["shapes"].values())
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
