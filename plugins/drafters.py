@@ -80,9 +80,11 @@ class ModelDrafter:
                 logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=-float("inf"))
         if not any(loop.draft_processors):
             return logits
-        out = logits.clone()
+        # Rows that ended stay 0: their drafts are dropped unverified (Draft.only), so they are not worth
+        # processing, but they must be finite to sample from (raw logits may hold what remove_invalid_values removes).
+        out = torch.zeros_like(logits)
         for b, row in enumerate(loop.rows):
-            if bool(loop.finished[b]):  # its drafts are dropped unverified (Draft.only): not worth processing
+            if bool(loop.finished[b]):
                 continue
             prefix = torch.cat([row, *(token[b:b + 1] for token in drafted)])
             out[b] = loop.draft_processors[b](prefix[None], logits[b:b + 1].clone())[0]

@@ -382,19 +382,28 @@ def test_max_time_ends_each_row_mid_loop_with_stocks_tokens_so_far(llama, monkey
 def test_invalid_logits_are_removed_as_stock_removes_them(drafter, do_sample):
     """A head that gives one token NaN logits: greedy stock picks it, unless ``remove_invalid_values`` turns
     them into zeros; the loop must process them the same way at every position, and never draw from a
-    position it left unprocessed (a row's budget ends inside drafts of the target's own weights)."""
+    position it left unprocessed (a row's budget ends inside drafts of the target's own weights; a row that
+    ended early rides along in the draft model's batch)."""
     model = make_tiny_model("llama")
     ids, mask = left_padded_batch(model)
     n = ids.shape[1]
-    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
-    model.lm_head.register_forward_hook(lambda module, args, out: out.index_fill(-1, torch.tensor([9]), float("nan")))
-    kwargs = dict(max_new_tokens=16, do_sample=do_sample, remove_invalid_values=True,
+    eos = int(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)[1, n + 3])
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                               eos_token_id=eos)
+
+    def nan_column(module, args, out):
+        return out.index_fill(-1, torch.tensor([9]), float("nan"))
+
+    model.lm_head.register_forward_hook(nan_column)
+    kwargs = dict(max_new_tokens=16, do_sample=do_sample, remove_invalid_values=True, eos_token_id=eos,
                   **({"top_k": 1} if do_sample else {}))
     expected = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     assert torch.equal(expected, reference)  # NaN made zero: below the best logit everywhere here
     unprocessed = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
     assert (unprocessed[:, n:] == 9).all()  # without the processor, NaN wins every argmax
-    hf_accel.patch(model, compile=None, speculative=make_tiny_model("llama") if drafter == "draft_model" else "ngram")
+    draft = make_tiny_model("llama")
+    draft.lm_head.register_forward_hook(nan_column)
+    hf_accel.patch(model, compile=None, speculative=draft if drafter == "draft_model" else "ngram")
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
     details = hf_accel.report(model)["speculative"].details
     assert details["fallbacks_to_stock"] == 0 and details["drafted"] > 0
@@ -474,6 +483,29 @@ def test_a_call_stock_refuses_gets_stocks_own_error(llama, caplog, strict, call)
         llama.generate(input_ids=ids, attention_mask=mask, do_sample=False, **call)
     assert type(ours.value) is type(stock.value) and str(ours.value) == str(stock.value)
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]  # stock says what is wrong
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_arguments_stock_pops_or_renames_are_not_taken_for_misspelt_ones(llama, caplog, strict):
+    from transformers import DynamicCache
+
+    ids, mask = left_padded_batch(llama, (5,))
+    expected = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    hf_accel.patch(llama, compile=None, speculative="ngram", strict=strict)
+    # trust_remote_code: stock pops it first (it lets custom_generate load code), so speculation stays.
+    assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                      trust_remote_code=False), expected)
+    assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 0
+    # past_key_values: stock renames it to cache and takes it; the loop cannot, so it warns (or, strict, refuses).
+    call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache())
+    if strict:
+        with pytest.raises(hf_accel.PatchError, match="past_key_values.*strict=True"):
+            llama.generate(**call)
+        return
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        assert torch.equal(llama.generate(**call), expected)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "generate argument 'past_key_values'" in warning and "drop past_key_values=" in warning
 
 
 def test_synced_gpus_false_is_stocks_default_and_keeps_speculation(llama):

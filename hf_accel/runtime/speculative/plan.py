@@ -61,6 +61,7 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
     if len(args) > len(_GENERATE_ARGS) or set(named) & set(kwargs):
         return Fallback("positional arguments beyond generate's signature", "pass generate's arguments by name")
     named.update(kwargs)
+    named.pop("trust_remote_code", None)  # stock's too: it only lets custom_generate load code (not covered)
     for name in _NOT_COVERED:
         value = named.pop(name, None)
         if value is not None and value is not False:  # synced_gpus=False is stock's default
@@ -80,12 +81,8 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
              for k in ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn", "tokenizer")}
     call_settings = dict(named)
     config, model_kwargs = model._prepare_generation_config(named.pop("generation_config", None), **named)
-    try:
-        model._validate_model_kwargs(model_kwargs.copy())  # a misspelt argument: stock names it
-    except ValueError:
-        return _STOCK_RAISES_FOR_MODEL_KWARGS
     attention_mask = model_kwargs.pop("attention_mask", None)
-    why = unsupported_setting(config, model_kwargs)
+    why = unsupported_setting(model, config, model_kwargs)
     if why:
         return why
     max_new = generated_length(model, config, call_settings, input_ids)  # sets min_length as stock does too
@@ -170,7 +167,7 @@ def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> 
     return torch.ones_like(input_ids)
 
 
-def unsupported_setting(config: GenerationConfig, model_kwargs: dict[str, Any]) -> Fallback | None:
+def unsupported_setting(model: Any, config: GenerationConfig, model_kwargs: dict[str, Any]) -> Fallback | None:
     """What in a call the loop cannot reproduce exactly (see :mod:`hf_accel.runtime.speculative.settings`), or None."""
     blocking = blocking_settings(config)
     if blocking:
@@ -178,6 +175,23 @@ def unsupported_setting(config: GenerationConfig, model_kwargs: dict[str, Any]) 
         return Fallback(f"generation setting {key} ({why})",
                         f"drop {key}={value!r} from the call (or from the model's generation_config)")
     extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_INPUTS and v is not None)
+    if not extra:
+        return None
+    if _refused_by_stock(model, model_kwargs):
+        return _STOCK_RAISES_FOR_MODEL_KWARGS
     return Fallback(f"generate argument {extra[0]!r}",
-                    "the loop reads token ids only: drop that input where the model does not need it"
-                    ) if extra else None
+                    f"the loop reads token ids only: drop {extra[0]}= where the model does not need it")
+
+
+#: Deprecated names of ``cache`` that stock's ``generate`` renames before it checks the other arguments.
+_RENAMED_BY_STOCK = ("past_key_values", "cache_params")
+
+
+def _refused_by_stock(model: Any, model_kwargs: dict[str, Any]) -> bool:
+    """Whether stock ``generate`` refuses an argument no model function takes (a misspelt one): its own check,
+    on what it checks."""
+    try:
+        model._validate_model_kwargs({k: v for k, v in model_kwargs.items() if k not in _RENAMED_BY_STOCK})
+    except ValueError:
+        return True
+    return False

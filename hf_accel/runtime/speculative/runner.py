@@ -51,7 +51,7 @@ class SpeculativeRunner:
         self.drafts = drafts
 
     def __repr__(self) -> str:
-        return f"<SpeculativeRunner k={self.draft_length.k} {self.stats.as_details()}>"
+        return f"<SpeculativeRunner first_k={self.draft_length.k} {self.stats.as_details()}>"
 
     def cache_bytes(self) -> int:
         """Bytes the draft models' compiled steps keep in their caches (the target's are the compile report's)."""
