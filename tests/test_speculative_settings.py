@@ -420,13 +420,20 @@ def test_stop_strings_without_a_tokenizer_fail_as_in_stock(llama):
 
 
 @pytest.mark.parametrize("strict", [False, True])
-def test_a_call_stock_refuses_gets_stocks_error_without_a_warning(llama, caplog, strict):
-    ids, mask = left_padded_batch(llama)  # 7 wide: max_length 3 leaves nothing to generate
-    with pytest.raises(ValueError, match="max_length") as stock_error:
-        llama.generate(input_ids=ids, attention_mask=mask, max_length=3, do_sample=False)
+@pytest.mark.parametrize("call, match", [
+    ({"max_length": 3}, "max_length"),  # 7 wide: max_length 3 leaves nothing to generate
+    ({"max_new_token": 4}, "max_new_token"),  # misspelt
+    ({"inputs": "the ids"}, "inputs"),  # the token ids twice
+], ids=["nothing-to-generate", "misspelt", "inputs-twice"])
+def test_a_call_stock_refuses_gets_stocks_error_without_a_warning(llama, caplog, strict, call, match):
+    ids, mask = left_padded_batch(llama)
+    call = {k: ids if v == "the ids" else v for k, v in call.items()}
+    with pytest.raises(ValueError, match=match) as stock_error:
+        llama.generate(input_ids=ids, attention_mask=mask, do_sample=False, **call)
     hf_accel.patch(llama, compile=None, speculative="ngram", strict=strict)
     with caplog.at_level(logging.WARNING, logger="hf_accel"), pytest.raises(ValueError) as patched_error:
-        llama.generate(input_ids=ids, attention_mask=mask, max_length=3, do_sample=False)
+        llama.generate(input_ids=ids, attention_mask=mask, do_sample=False, **call)
+    assert type(patched_error.value) is type(stock_error.value)
     assert str(patched_error.value) == str(stock_error.value)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
@@ -446,43 +453,26 @@ def test_a_fallback_warns_once_per_reason_and_is_counted(llama, caplog):
         "generation setting num_beams (beam search)": 3}  # one reason per setting, whatever its value
 
 
-@pytest.mark.parametrize("call, remedy", [
-    ({"output_scores": True, "return_dict_in_generate": True}, "call generate with one row at a time, or without"),
-    ({"max_time": 10.0, "eos_token_id": []}, "eos_token_id"),
-    ({"logits_processor": LogitsProcessorList([Recorder(5)])}, "call generate with one row at a time"),
-], ids=["scores", "no-eos", "users-processor"])
-def test_a_fallback_that_no_setting_causes_says_what_to_change_instead(llama, caplog, call, remedy):
-    ids, mask = left_padded_batch(llama)
+THREE_ROWS, ONE_PROMPT = (7, 3, 5), (5,)
+
+
+@pytest.mark.parametrize("call, remedy, lengths", [
+    ({"output_scores": True, "return_dict_in_generate": True}, "call generate with one row at a time, or without",
+     THREE_ROWS),
+    ({"max_time": 10.0, "eos_token_id": []}, "eos_token_id", THREE_ROWS),
+    ({"logits_processor": LogitsProcessorList([Recorder(5)])}, "call generate with one row at a time", THREE_ROWS),
+    # One prompt made rows by num_return_sequences: "one row at a time" would not help.
+    ({"output_scores": True, "return_dict_in_generate": True, "do_sample": True, "num_return_sequences": 2},
+     "one prompt at a time and num_return_sequences=1", ONE_PROMPT),
+], ids=["scores", "no-eos", "users-processor", "expanded-rows"])
+def test_a_fallback_that_no_setting_causes_says_what_to_change_instead(llama, caplog, call, remedy, lengths):
+    ids, mask = left_padded_batch(llama, lengths)
     hf_accel.patch(llama, compile=None, speculative="ngram")
     with caplog.at_level(logging.WARNING, logger="hf_accel"):
-        llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **call)
+        llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **{"do_sample": False, **call})
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert remedy in warning and "drop " not in warning
     assert hf_accel.report(llama)["speculative"].details["fallbacks_to_stock"] == 1
-
-
-def test_expanded_rows_are_told_to_ask_for_one_sequence(llama, caplog):
-    ids, mask = left_padded_batch(llama, (5,))  # one prompt: "one row at a time" would not help
-    hf_accel.patch(llama, compile=None, speculative="ngram")
-    with caplog.at_level(logging.WARNING, logger="hf_accel"):
-        llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=True, num_return_sequences=2,
-                       output_scores=True, return_dict_in_generate=True)
-    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert "one prompt at a time and num_return_sequences=1" in warning
-
-
-@pytest.mark.parametrize("strict", [False, True])
-@pytest.mark.parametrize("call", [{"max_new_token": 4}, {"inputs": "ids"}], ids=["misspelt", "inputs-twice"])
-def test_a_call_stock_refuses_gets_stocks_own_error(llama, caplog, strict, call):
-    ids, mask = left_padded_batch(llama, (5,))
-    call = {k: ids if v == "ids" else v for k, v in call.items()}
-    with pytest.raises(ValueError) as stock:
-        llama.generate(input_ids=ids, attention_mask=mask, do_sample=False, **call)
-    hf_accel.patch(llama, compile=None, speculative="ngram", strict=strict)
-    with caplog.at_level(logging.WARNING, logger="hf_accel"), pytest.raises(ValueError) as ours:
-        llama.generate(input_ids=ids, attention_mask=mask, do_sample=False, **call)
-    assert type(ours.value) is type(stock.value) and str(ours.value) == str(stock.value)
-    assert not [r for r in caplog.records if r.levelno == logging.WARNING]  # stock says what is wrong
 
 
 @pytest.mark.parametrize("strict", [False, True])

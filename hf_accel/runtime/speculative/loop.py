@@ -154,6 +154,9 @@ class SpeculativeLoop:
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
         self.rows: list[torch.Tensor] = []
         self.prompt_length = 0
+        # Per-step scores and logits are kept only where the call returns them, as stock keeps them.
+        self.keeps_scores = bool(config.return_dict_in_generate and config.output_scores)
+        self.keeps_logits = bool(config.return_dict_in_generate and config.output_logits)
         self.scores: list[list[torch.Tensor]] = []
         self.logits: list[list[torch.Tensor]] = []
         #: (row, length) -> whether a stopping criterion ended the row there, for the current step's prefixes.
@@ -271,11 +274,9 @@ class SpeculativeLoop:
                 continue
             for j in range(int(count[b])):
                 self.rows[b] = torch.cat([self.rows[b], tokens[b, j : j + 1]])
-                # Kept only where the call returns them, as stock keeps them; copies, so that a chunk's
-                # [batch, k+1, vocab] tensor is not kept.
-                if self.config.return_dict_in_generate and self.config.output_scores:
+                if self.keeps_scores:  # copies, so that a chunk's [batch, k+1, vocab] tensor is not kept
                     self.scores[b].append(scores[b, j].clone())
-                if self.config.return_dict_in_generate and self.config.output_logits:
+                if self.keeps_logits:
                     self.logits[b].append(logits[b, j].clone())
                 self.stats.generated += 1
                 if self.streamer is not None:
@@ -298,7 +299,7 @@ class SpeculativeLoop:
         if (b, prefix.shape[0]) in self._stop_checked:  # asked while processing this step (criteria may count)
             return self._stop_checked[b, prefix.shape[0]]
         scores = None
-        if self.config.return_dict_in_generate and self.config.output_scores:
+        if self.keeps_scores:
             scores = tuple(s[None] for s in [*self.scores[b], *([] if pending is None else pending)])
         stops = self._stop_checked[b, prefix.shape[0]] = bool(self.stopping(prefix[None], scores).any())
         return stops

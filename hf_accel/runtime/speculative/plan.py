@@ -69,7 +69,7 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
     input_ids = named.pop("inputs", None)
     if input_ids is None:
         input_ids = named.pop("input_ids", None)
-    elif named.get("input_ids") is not None:
+    elif named.pop("input_ids", None) is not None:
         return _STOCK_RAISES_FOR_INPUTS
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         return Fallback("inputs other than a [batch, length] tensor of token ids",
