@@ -25,21 +25,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
 from transformers.generation import CompileConfig
 
 from hf_accel.patching.changes import Changes
 from hf_accel.runtime.compile_cache import CompileStore, Stored, fingerprint
 from hf_accel.runtime.compile_policy import CompilePolicy, Decision, StepTimer
 from hf_accel.runtime.generation import cache_keyword
-from hf_accel.runtime.kv_cache import BufferPool, RollbackStaticCache
+from hf_accel.runtime.graph_calls import TrustedLayers
+from hf_accel.runtime.kv_cache import CACHES_KEPT, BucketedCaches  # noqa: F401 (CACHES_KEPT: where it was)
 from hf_accel.runtime.layer_graphs import (
     CompileStats,
     GraphCompiler,
@@ -74,16 +73,13 @@ _FROM_STORE = "compiled before on this machine"
 _clock = time.perf_counter
 #: Cache lengths are rounded up to a multiple of this, and a cache serves every later call that fits in it.
 BUCKET = 256
-#: Batch sizes whose fixed-length caches are kept between calls; the least recently used one beyond is freed.
-CACHES_KEPT = 4
-#: Relative error above which a freshly compiled graph is refused: exact fp32 graphs measure ~1e-6.
 CHECK_TOLERANCE = 1e-3
 #: The same where activations are rounded to bf16 (quantized Linear kernels): inductor fuses the casts, which
 #: moves outputs by about one bf16 rounding (SmolLM2 int4: 5.5e-3 on the logits).
 BF16_CHECK_TOLERANCE = 2e-2
 
 
-class CompiledDecodeStep:
+class CompiledDecodeStep(BucketedCaches):
     """The model's forward for decode steps, its decoder layers compiled one kind at a time, and the
     fixed-length caches it runs over.
 
@@ -108,14 +104,14 @@ class CompiledDecodeStep:
         self.compile_config = CompileConfig()  # turns on transformers' switch to get_compiled_call; settings unused
         self.compile_config._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
         self._graphs: dict[str, RegionGraphs] = {}
+        self._trusted = TrustedLayers()  # what the graphs checked this call (see graph_calls)
         self._compiled: dict[ShapeClass, float] = {}  # shape class -> seconds its compile took
         self._decisions: dict[ShapeClass, Decision] = {}
         self._waited: dict[ShapeClass, float] = {}  # eager seconds of decode steps that waited for each class
         self._timer = StepTimer()  # what compiling saved of a step here, for the store
         self._stored: dict[ShapeClass, Stored | None] = {}  # what the store knows of each shape class
         self._fingerprints: dict[str, dict[str, Any]] = {}
-        self._caches: OrderedDict[int, tuple[int, Cache]] = OrderedDict()  # batch size -> (positions, cache)
-        self._pool, self._pool_positions = BufferPool(), 0  # what the caches view; its largest batch x length
+        self._init_caches()
         self._installed: Changes | None = None
         self._call_start = 0.0  # eager seconds when the current call began
         self._call_forecast = 0.0  # eager seconds the current call is expected to take
@@ -174,40 +170,16 @@ class CompiledDecodeStep:
         return {cache_keyword(self.model): self.cache_for(batch_size, needed_length),
                 "compile_config": self.compile_config}
 
-    def cache_for(self, batch_size: int, needed_length: int) -> RollbackStaticCache:
-        """The cache for this batch size, emptied; made anew (one bucket longer) only when it is too short.
-        A :class:`~hf_accel.runtime.kv_cache.RollbackStaticCache`: full-length layers (the sliding window is applied
-        by the mask) that the speculative loop can crop and realign. Every cache of this step views one
-        :class:`~hf_accel.runtime.kv_cache.BufferPool` (one call runs at a time), so the memory is that of the largest
-        batch times length asked for, not one cache per batch size."""
-        length, cache = self._caches.pop(batch_size, (0, None))
-        if cache is None or length < needed_length:
-            length = -(-needed_length // self.bucket) * self.bucket
-            if batch_size * length > self._pool_positions:  # the pool grows: let go of views of the old buffers
-                self._caches.clear()
-                self._pool_positions = batch_size * length
-            cache = RollbackStaticCache(self.model.config, max_cache_len=length, pool=self._pool)
-            logger.debug("static cache for batch %d: %d positions", batch_size, length)
-        else:
-            cache.reset()
-        self._caches[batch_size] = (length, cache)  # the most recently used, last
-        while len(self._caches) > CACHES_KEPT:
-            evicted, _ = self._caches.popitem(last=False)
-            logger.debug("static cache for batch %d forgotten (least recently used)", evicted)
-        return cache
-
-    def cache_bytes(self) -> int:
-        """Bytes the caches' shared buffers hold (keys and values, every layer)."""
-        return self._pool.nbytes()
-
     def begin_call(self, new_tokens: int) -> None:
         """A ``generate`` call asking for up to ``new_tokens`` tokens starts: the compile policy weighs what the
         rest of it would cost eagerly (once this model's eager seconds per token are known)."""
         self._call_start = self.stats.eager_seconds
         self._call_forecast = new_tokens * self._seconds_per_token if self._seconds_per_token else 0.0
+        self._trusted.open()
 
     def end_call(self, tokens: int) -> None:
         """The call made ``tokens`` tokens (per row); its eager time per token updates the forecast."""
+        self._trusted.close()  # the next call checks every layer in full again
         spent = self.stats.eager_seconds - self._call_start
         if spent > 0 and tokens > 0:
             self._seconds_per_token = spent / tokens
@@ -245,8 +217,9 @@ class CompiledDecodeStep:
             for shape in run.waiting:  # two kinds of layer waiting in one step share its time
                 self._waited[shape] = self._waited.get(shape, 0.0) + waited / len(run.waiting)
         s = self.stats  # the counters only: the rest of the report changes when a decision or a compile does
+        s.direct_calls = self._trusted.direct_calls
         self.details.update(compiled_steps=s.compiled_steps, eager_steps=s.eager_steps, eager_seconds=s.eager_seconds,
-                            misses=s.misses)
+                            misses=s.misses, direct_calls=s.direct_calls)
         return out
 
     def layer_forward(self, run: RegionRun, region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -281,7 +254,7 @@ class CompiledDecodeStep:
         misses, written_from = graphs.misses[0], layer_cache.cumulative_length.clone()
         span, rest_args, rest_kwargs = graph_arguments(layer_cache, slot, args, kwargs, shape.filled_slots)
         try:
-            out = graphs.run(region.layer, layer_cache, slot, span, *rest_args, **rest_kwargs)
+            out = graphs.run(run.leads, region.layer, layer_cache, slot, span, *rest_args, **rest_kwargs)
         except Exception as exc:  # an inductor runtime assert, out of memory, ...
             layer_cache.cumulative_length.copy_(written_from)  # the eager run rewrites the same slots
             self._fail(f"running the compiled {shape} graph raised {describe_failure(exc)}")
@@ -376,7 +349,7 @@ class CompiledDecodeStep:
     def _graphs_for(self, kind: str) -> RegionGraphs:
         if kind not in self._graphs:
             name = f"decoder_layer_{id(self.model):x}_{len(self._graphs)}"
-            self._graphs[kind] = RegionGraphs(name, self.backend)
+            self._graphs[kind] = RegionGraphs(name, self.backend, self._trusted)
         return self._graphs[kind]
 
     def _fingerprint(self, kind: str) -> dict[str, Any]:

@@ -4,13 +4,20 @@ exposes only its filled part (eager forwards), and a fixed-length one for compil
 from __future__ import annotations
 
 import abc
+import logging
 import math
+from collections import OrderedDict
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
 
 _GROWTH_STEP = 256
+#: Batch sizes whose fixed-length caches a compiled step keeps between calls; the least recently used one beyond
+#: is freed.
+CACHES_KEPT = 4
+
+logger = logging.getLogger(__name__)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -275,3 +282,42 @@ class RollbackStaticCache(RollbackCache):
         """Make the next update write at slot ``length`` (the slots before it are the filled ones)."""
         for layer in self.layers:
             layer.cumulative_length.fill_(length)
+
+
+class BucketedCaches:
+    """The fixed-length caches a compiled decode step runs over (a base of
+    :class:`~hf_accel.runtime.compiled_step.CompiledDecodeStep`): one per batch size, the most recent
+    :data:`CACHES_KEPT` kept, their lengths a multiple of ``bucket``, all viewing one :class:`BufferPool`."""
+
+    model: Any
+    bucket: int
+
+    def _init_caches(self) -> None:
+        self._caches: OrderedDict[int, tuple[int, Cache]] = OrderedDict()  # batch size -> (positions, cache)
+        self._pool, self._pool_positions = BufferPool(), 0  # what the caches view; its largest batch x length
+
+    def cache_for(self, batch_size: int, needed_length: int) -> RollbackStaticCache:
+        """The cache for this batch size, emptied; made anew (one bucket longer) only when it is too short.
+        A :class:`~hf_accel.runtime.kv_cache.RollbackStaticCache`: full-length layers (the sliding window is applied
+        by the mask) that the speculative loop can crop and realign. Every cache of this step views one
+        :class:`~hf_accel.runtime.kv_cache.BufferPool` (one call runs at a time), so the memory is that of the largest
+        batch times length asked for, not one cache per batch size."""
+        length, cache = self._caches.pop(batch_size, (0, None))
+        if cache is None or length < needed_length:
+            length = -(-needed_length // self.bucket) * self.bucket
+            if batch_size * length > self._pool_positions:  # the pool grows: let go of views of the old buffers
+                self._caches.clear()
+                self._pool_positions = batch_size * length
+            cache = RollbackStaticCache(self.model.config, max_cache_len=length, pool=self._pool)
+            logger.debug("static cache for batch %d: %d positions", batch_size, length)
+        else:
+            cache.reset()
+        self._caches[batch_size] = (length, cache)  # the most recently used, last
+        while len(self._caches) > CACHES_KEPT:
+            evicted, _ = self._caches.popitem(last=False)
+            logger.debug("static cache for batch %d forgotten (least recently used)", evicted)
+        return cache
+
+    def cache_bytes(self) -> int:
+        """Bytes the caches' shared buffers hold (keys and values, every layer)."""
+        return self._pool.nbytes()

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+from hf_accel.runtime.graph_calls import StepGuardedCalls, TrustedLayers
 from hf_accel.runtime.regions import (
     FilledLayerView,
     LayerCacheView,
@@ -62,6 +63,7 @@ class CompileStats:
     eager_steps: int = 0  # forwards with a layer whose shape class was not compiled (yet)
     eager_seconds: float = 0.0  # the time of those forwards: what running eagerly has cost so far
     misses: int = 0  # layer calls of a compiled shape class that matched no graph (ran eagerly)
+    direct_calls: int = 0  # graph calls that relied on their step's first guard check (see graph_calls)
     check_error: float | None = None  # worst relative error of a new graph against the eager layer
     failure: str | None = None  # why the step fell back to eager for good
 
@@ -69,13 +71,15 @@ class CompileStats:
 class RegionGraphs:
     """The compiled graphs of one kind of layer. A function of its own (dynamo keeps graphs, and its limit on
     recompiles, per code object), compiled on purpose through ``compile`` and otherwise run through
-    ``run``, which only looks graphs up: a call that matches none runs eagerly and is counted."""
+    ``run``, which only looks graphs up (checking their guards once per step: see
+    :class:`~hf_accel.runtime.graph_calls.StepGuardedCalls`): a call that matches none runs eagerly and is
+    counted."""
 
-    def __init__(self, name: str, backend: Callable[..., Any]) -> None:
+    def __init__(self, name: str, backend: Callable[..., Any], trusted: TrustedLayers) -> None:
         self.misses = [0]
         self.body = _function_named(_region_body(self.misses), name)
         self.compile = torch.compile(self.body, backend=backend, dynamic=None)
-        self.run = torch._dynamo.run(self.body)
+        self.run = StepGuardedCalls(self.body, torch._dynamo.run(self.body), trusted)
 
 
 def _region_body(misses: list[int]) -> Callable[..., Any]:

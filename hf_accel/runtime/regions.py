@@ -101,6 +101,7 @@ class RegionRun:
         self.waiting: set[ShapeClass] = set()  # shape classes whose layers ran eagerly, not compiled (yet)
         self.compiled: set[ShapeClass] = set()  # shape classes whose layers ran their graphs
         self.decisions: dict[ShapeClass, Any] = {}  # the compile policy asked once per class per step
+        self.leads: dict[int, Any] = {}  # each kind's first graph call of the step (see graph_calls)
 
 
 def route(layer: nn.Module) -> Callable[..., Any]:

@@ -68,16 +68,18 @@ class SpeculativeRunner:
         # the same tokens whatever calls came before it (the draft length decides how the draws are used).
         draft_length = dataclasses.replace(self.draft_length)
         compiled: list[DecodeStep] = []  # the compiled forwards this call runs, told how long it was when it ends
-        loop = SpeculativeLoop(call.model, drafter, plan.config, plan.processors, plan.stopping, plan.streamer,
-                               plan.max_new_tokens, draft_length,
-                               make_lm=lambda model, role="target", over=None: self._cached_lm(
-                                   call, plan, model, role, compiled, over),
-                               draft_processors=plan.draft_processors)
+        loop = None
         try:
+            loop = SpeculativeLoop(call.model, drafter, plan.config, plan.processors, plan.stopping, plan.streamer,
+                                   plan.max_new_tokens, draft_length,
+                                   make_lm=lambda model, role="target", over=None: self._cached_lm(
+                                       call, plan, model, role, compiled, over),
+                                   draft_processors=plan.draft_processors)
             with torch.no_grad():
                 loop.run(plan.input_ids, plan.attention_mask)
         finally:  # each compiled forward learns how long the call was (its eager seconds per token)
-            made = max((row.shape[0] for row in loop.rows), default=loop.prompt_length) - loop.prompt_length
+            rows, prompt = (loop.rows, loop.prompt_length) if loop is not None else ((), 0)
+            made = max((row.shape[0] for row in rows), default=prompt) - prompt
             for step in compiled:
                 step.end_call(made)
         with self._counting:

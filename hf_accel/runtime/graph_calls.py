@@ -1,0 +1,230 @@
+"""Calling one kind of layer's compiled graphs with dynamo's guards checked once per decode step, not per layer.
+
+Every decoder layer of a kind runs one compiled graph (see :class:`~hf_accel.runtime.layer_graphs.RegionGraphs`),
+and dynamo checks that graph's guards (the layer's modules and weights, each input's dtype, shape and strides,
+global state) before every call: SmolLM2's int4 draft layer on a 2-core CPU takes 292 us a call through dynamo,
+240 us this way, 208 us the graph's code alone (docs/benchmarks.md). But a layer does not change while a
+``generate`` call runs, and the layers of one step are called alike: the same mask and rotary tables, hidden
+states of one shape. So :class:`StepGuardedCalls` checks the guards in full only
+
+- for a step's first call of a kind (its lead), choosing the graph as dynamo would: the first cached one whose
+  guards pass;
+- for each layer and cache layer, once per ``generate`` call and graph (the layer's own part of the guards),
+  and again after a module, parameter or buffer is assigned into one of the layer's modules (torch's global
+  registration hooks tell) or its ``training`` flips;
+
+and runs the chosen graph's code (dynamo's transformed bytecode, in dynamo's run-only mode as a lookup would)
+for the step's later calls whose inputs match the lead's :func:`signature`. Everything else goes through dynamo's
+own lookup: calls outside a ``generate`` call, off the CPU (CUDA graphs count dynamo's calls), under a compile or
+a stance other than the default, or with inputs :func:`signature` cannot describe.
+
+What is assumed beyond dynamo's guards: while a call runs, nothing but an assignment the hooks see changes what
+a layer's graph was checked against (a plain attribute set on a submodule mid-call, by a streamer say, is not
+seen), and no other thread changes process-wide state such as the default dtype. Between calls every layer is
+checked in full again.
+
+Example::
+
+    trusted = TrustedLayers()                     # one per compiled step, for all its kinds of layer
+    calls = StepGuardedCalls(body, torch._dynamo.run(body), trusted)
+    trusted.open()                                # a generate call begins
+    out = calls(leads, layer, layer_cache, slot, span, hidden, **kwargs)   # leads: one dict per step
+    trusted.close()                               # it ends: every layer is checked in full again next time
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch._dynamo.eval_frame as dynamo_frames
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, get_eval_frame_callback, set_eval_frame
+from torch.nn.modules import module as nn_module
+
+_PLAIN = (bool, int, float, str, type(None), torch.device, torch.dtype)
+_RUN_ONLY = False  # dynamo's eval-frame callback that looks up compiled frames and never compiles
+
+
+class Undescribable(Exception):
+    """An input :func:`signature` cannot stand for (an object whose contents dynamo may guard on)."""
+
+
+def signature(*values: Any) -> tuple[Hashable, ...]:
+    """What dynamo's guards on these inputs look at: each tensor's type, dtype, device, shape, strides,
+    requires_grad, its inference, conjugate and negative bits, and which inputs are one tensor; every other
+    value (numbers, strings, None, devices, dtypes, and tuples, lists and dicts of them) itself; and grad and
+    inference mode. Raises :class:`Undescribable` for anything else."""
+    tensors: dict[int, int] = {}
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            *(_describe(value, tensors) for value in values))
+
+
+def _describe(value: Any, tensors: dict[int, int]) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        first = tensors.setdefault(id(value), len(tensors))  # aliasing: dynamo guards on it
+        return (type(value), value.dtype, value.device, value.shape, value.stride(), value.requires_grad,
+                value.is_inference(), value.is_conj(), value.is_neg(), first)
+    if isinstance(value, _PLAIN):
+        return type(value), value
+    if type(value) in (tuple, list):
+        return type(value), *(_describe(item, tensors) for item in value)
+    if type(value) is dict:
+        return dict, *((key, _describe(item, tensors)) for key, item in value.items())
+    raise Undescribable(type(value).__name__)
+
+
+def split_cache_layer(layer_cache: Any) -> tuple[tuple[Any, ...], tuple[Hashable, ...]]:
+    """A cache layer's tensors (whose metadata must match the lead's; their contents change every step) and
+    its other attributes (index, length, pool: the same while the layer stays trusted)."""
+    tensors, constants = [], []
+    for name, value in vars(layer_cache).items():
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        else:
+            constants.append((name, value if isinstance(value, _PLAIN) else id(value)))
+    return tuple(tensors), tuple(constants)
+
+
+_open: list[TrustedLayers] = []  # those inside a generate call, which the registration hooks tell of assignments
+
+
+def _assigned(module: torch.nn.Module, name: str, value: Any) -> None:
+    for trusted in tuple(_open):
+        trusted.assigned_into(module)
+
+
+def _watch_assignments() -> None:
+    """Have torch's global registration hooks report every module, parameter and buffer assignment (registered
+    once per process; a call costs a set lookup per open :class:`TrustedLayers`)."""
+    if getattr(_watch_assignments, "done", False):
+        return
+    for register in (nn_module.register_module_module_registration_hook,
+                     nn_module.register_module_parameter_registration_hook,
+                     nn_module.register_module_buffer_registration_hook):
+        register(_assigned)
+    _watch_assignments.done = True  # type: ignore[attr-defined]
+
+
+class TrustedLayers:
+    """The layers a compiled step's graphs have checked in full during the current ``generate`` call (None
+    between calls), shared by its kinds of layer; and what the checks and direct calls have counted."""
+
+    def __init__(self) -> None:
+        self._checked: set[tuple[Hashable, ...]] | None = None  # (graph code, layer, its flags, its cache layer)
+        self._watched: set[int] = set()  # the trusted layers' modules
+        self._stale = False  # something was assigned into one of them
+        self.direct_calls = 0
+        self.guard_checks = 0
+
+    def open(self) -> None:
+        """A ``generate`` call begins: every layer is checked in full once more."""
+        _watch_assignments()
+        self._checked, self._watched, self._stale = set(), set(), False
+        if self not in _open:
+            _open.append(self)
+
+    def close(self) -> None:
+        self._checked = None
+        if self in _open:
+            _open.remove(self)
+
+    def current(self) -> set[tuple[Hashable, ...]] | None:
+        """The layers checked in this call (none, if a module, parameter or buffer was assigned into one of
+        them since); None between calls."""
+        if self._stale and self._checked is not None:
+            self._checked, self._stale = set(), False
+        return self._checked
+
+    def trust(self, key: tuple[Hashable, ...], layer: torch.nn.Module) -> None:
+        assert self._checked is not None
+        self._checked.add(key)
+        self._watched.update(map(id, layer.modules()))
+
+    def assigned_into(self, module: torch.nn.Module) -> None:
+        if id(module) in self._watched:
+            self._stale = True
+
+
+@dataclass(frozen=True)
+class Lead:
+    """A step's first call of a kind: its inputs' signature and the graph whose guards it passed."""
+
+    signature: tuple[Hashable, ...]
+    code: types.CodeType  # dynamo's transformed code for that graph (held: the cache entry is dynamo's to free)
+    guards: Any  # the graph's guard manager
+    function: Callable[..., Any]  # the code as a function: gathers the graph's inputs, runs it, replays effects
+
+
+class StepGuardedCalls:
+    """Runs a kind of layer's compiled graphs, checking dynamo's guards once per step (see the module's doc).
+
+    :param body: the function dynamo compiled the graphs from (its code object holds the cached graphs).
+    :param dynamo_run: ``torch._dynamo.run(body)``: dynamo's own lookup, for every call not served directly.
+    :param trusted: the compiled step's, opened and closed with each ``generate`` call."""
+
+    def __init__(self, body: types.FunctionType, dynamo_run: Callable[..., Any], trusted: TrustedLayers) -> None:
+        self.body, self.dynamo_run, self.trusted = body, dynamo_run, trusted
+        self._arguments = body.__code__.co_varnames[:body.__code__.co_argcount + 2]  # + *args, **kwargs
+        self._cells = dict(zip(body.__code__.co_freevars, (cell.cell_contents for cell in body.__closure__ or ())))
+        self._functions: dict[types.CodeType, Callable[..., Any]] = {}
+
+    def __call__(self, leads: dict[int, Lead], layer: torch.nn.Module, layer_cache: Any, slot: int | str,
+                 span: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
+        """One layer call of a decode step. ``leads``: the step's own (empty at its start)."""
+        inputs, checked = (layer, layer_cache, slot, span, args, kwargs), self.trusted.current()
+        if checked is None or not _direct_calls_allowed(layer_cache):
+            return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
+        try:
+            cache_tensors, cache_constants = split_cache_layer(layer_cache)
+            call_signature = signature(slot, span, args, kwargs, cache_tensors)
+        except Exception:  # an object, a tensor without strides, a cache layer without attributes
+            return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
+        lead = leads.get(id(self))
+        layer_key = (id(layer), layer.training, id(layer_cache), cache_constants)
+        if lead is None or lead.signature != call_signature:
+            lead = self._choose(inputs, call_signature)  # the guards in full, as dynamo checks them
+            if lead is None:
+                return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
+            leads[id(self)] = lead
+            self.trusted.trust((lead.code, *layer_key), layer)
+        elif (lead.code, *layer_key) not in checked:  # the layer's first call of this graph
+            self.trusted.guard_checks += 1
+            if not lead.guards.check(self._frame(inputs)):
+                return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
+            self.trusted.trust((lead.code, *layer_key), layer)
+        else:
+            self.trusted.direct_calls += 1
+        before = set_eval_frame(_RUN_ONLY)  # frames the graph's code calls (a graph break's) are looked up too
+        try:
+            return lead.function(layer, layer_cache, slot, span, *args, **kwargs)
+        finally:
+            set_eval_frame(before)
+
+    def _choose(self, inputs: tuple[Any, ...], call_signature: tuple[Hashable, ...]) -> Lead | None:
+        """The graph dynamo would run for these inputs: the first cached one whose guards pass (None if none)."""
+        frame = self._frame(inputs)
+        for entry in _debug_get_cache_entry_list(self.body.__code__):
+            self.trusted.guard_checks += 1
+            if entry.guard_manager.check(frame):
+                return Lead(call_signature, entry.code, entry.guard_manager, self._function(entry.code))
+        return None
+
+    def _frame(self, inputs: tuple[Any, ...]) -> dict[str, Any]:
+        """The frame's locals as dynamo's guards read them at the call: the arguments and the closure's cells."""
+        return {**self._cells, **dict(zip(self._arguments, inputs))}
+
+    def _function(self, code: types.CodeType) -> Callable[..., Any]:
+        if code not in self._functions:
+            self._functions[code] = types.FunctionType(code, self.body.__globals__, self.body.__name__,
+                                                       self.body.__defaults__, self.body.__closure__)
+        return self._functions[code]
+
+
+def _direct_calls_allowed(layer_cache: Any) -> bool:
+    """On the CPU (CUDA graph trees count dynamo's calls), not under a compile, at dynamo's default stance."""
+    keys = getattr(layer_cache, "keys", None)
+    return (isinstance(keys, torch.Tensor) and keys.device.type == "cpu" and get_eval_frame_callback() is None
+            and getattr(getattr(dynamo_frames, "_stance", None), "stance", None) == "default")
