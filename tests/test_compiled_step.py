@@ -248,7 +248,7 @@ def test_caches_of_every_batch_size_share_one_buffer_and_the_most_recent_are_kep
     """A server sees many batch sizes: one fixed-length cache each would grow without bound. The caches view
     one buffer pool (the largest batch x length asked for), each call refilling what it uses: calls that
     alternate batch sizes, each overwriting what the others' caches view, still get stock's tokens."""
-    from hf_accel.runtime.compiled_step import CACHES_KEPT
+    from hf_accel.runtime.kv_cache import CACHES_KEPT
 
     hf_accel.patch(llama, cache_bucket=32, **AT_ONCE)  # compiled graphs, not eager layers, over the pool
     step = llama._hf_accel_state.compiled_step

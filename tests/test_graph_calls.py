@@ -113,20 +113,42 @@ def test_a_call_unlike_its_steps_first_is_checked_in_full():
     wider = torch.randn(3, 4)  # another shape: the graph was compiled for a batch of 2 only (dynamic=False)
     out = calls(leads, layer, cache, "cache", None, wider, scale=1.0)
     assert torch.equal(out, _body(layer, cache, 0, None, wider, scale=1.0))
+    checks = calls.trusted.guard_checks
+    calls(leads, layer, cache, "cache", None, wider, scale=1.0)  # the step knows no graph serves it: not checked again
+    assert calls.trusted.guard_checks == checks
     out = calls(leads, layer, cache, "cache", None, x, scale=3.0)  # a constant the graph was specialized on
     assert torch.equal(out, _body(layer, cache, 0, None, x, scale=3.0))
-    assert calls.dynamo_run.calls == 2 and calls.trusted.direct_calls == 0
+    assert calls.dynamo_run.calls == 3 and calls.trusted.direct_calls == 0
 
 
-def test_a_module_assigned_mid_call_has_every_layer_checked_again():
-    layers = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(2)]
-    caches, x = [CacheLayer(0), CacheLayer(1)], torch.randn(2, 4)
+def nested_layer() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.ReLU()))
+
+
+def test_a_module_assigned_into_a_layer_mid_call_has_it_checked_again():
+    layers, caches, x = [nested_layer() for _ in range(2)], [CacheLayer(0), CacheLayer(1)], torch.randn(2, 4)
     calls = compiled_calls(_body, "assigned", layers[0], caches[0], "cache", None, x, scale=1.0)
     run_steps(calls, layers, caches, x, steps=2, scale=1.0)
     assert calls.trusted.direct_calls == 1
-    layers[1][1] = torch.nn.Tanh()  # as a streamer might, between two steps of one call
+    layers[1][1][0] = torch.nn.Tanh()  # into a grandchild, as a streamer might between two steps of one call
     run_steps(calls, layers, caches, x, steps=2, scale=1.0)  # layer 1 fails the graph's guards: dynamo, eagerly
     assert calls.trusted.direct_calls == 1 and calls.dynamo_run.calls == 2
+
+
+def test_a_parameter_assigned_or_training_flipped_mid_call_has_the_layer_checked_again():
+    layers, caches, x = [nested_layer() for _ in range(2)], [CacheLayer(0), CacheLayer(1)], torch.randn(2, 4)
+    calls = compiled_calls(_body, "flipped", layers[0], caches[0], "cache", None, x, scale=1.0)
+    run_steps(calls, layers, caches, x, steps=2, scale=1.0)
+    checks = calls.trusted.guard_checks
+    layers[1][0].weight = torch.nn.Parameter(layers[1][0].weight.detach().clone(), requires_grad=False)
+    run_steps(calls, layers, caches, x, steps=1, scale=1.0)  # its requires_grad fails a guard
+    assert calls.trusted.guard_checks == checks + 2 and calls.dynamo_run.calls == 1
+    layers[1][0].weight.requires_grad_(True)
+    run_steps(calls, layers, caches, x, steps=1, scale=1.0)  # still distrusted: every call of it checked (and passes)
+    checks, direct = calls.trusted.guard_checks, calls.trusted.direct_calls
+    layers[1].train(False)
+    run_steps(calls, layers, caches, x, steps=2, scale=1.0)  # its training flag: checked once more, then direct
+    assert calls.trusted.guard_checks == checks + 2 + 1 and calls.trusted.direct_calls == direct + 1
 
 
 @pytest.mark.parametrize("body", [_breaking_body, _breaking_at_return_body], ids=["mid-body", "at-return"])
@@ -145,20 +167,31 @@ def test_a_graph_that_breaks_runs_its_later_graphs_too_when_called_directly(body
     assert backend.runs - runs == per_lookup and per_lookup >= 2  # graphs before the break and after it
 
 
-def test_inputs_it_cannot_describe_a_stance_or_a_gpu_leave_the_call_to_dynamo():
+def test_inputs_it_cannot_describe_a_stance_a_compile_or_a_gpu_leave_the_call_to_dynamo():
     layers, caches, x = [torch.nn.Linear(4, 4) for _ in range(2)], [CacheLayer(0), CacheLayer(1)], torch.randn(2, 4)
     calls = compiled_calls(_body, "left", layers[0], caches[0], "cache", None, x, scale=1.0, extra=None)
-    run_steps(calls, layers, caches, x, steps=2, scale=1.0, extra=object())
+    run_steps(calls, layers, caches, x, steps=1, scale=1.0, extra=object())
+    no_strides = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])  # .stride() raises
+    run_steps(calls, layers, caches, x, steps=1, scale=1.0, extra=no_strides)
+    torch._dynamo.run(lambda: run_steps(calls, layers, caches, x, steps=1, scale=1.0, extra=None))()
     with torch.compiler.set_stance("force_eager"):
         run_steps(calls, layers, caches, x, steps=1, scale=1.0, extra=None)
     caches[0].keys = torch.zeros(1, device="meta")  # a cache off the CPU
     run_steps(calls, layers[:1], caches[:1], x, steps=1, scale=1.0, extra=None)
-    assert calls.trusted.direct_calls == 0 and calls.dynamo_run.calls == 4 + 2 + 1
+    assert calls.trusted.direct_calls == 0 and calls.dynamo_run.calls == 2 + 2 + 2 + 2 + 1
 
 
 def test_the_signature_tells_apart_what_guards_do_and_refuses_objects():
     x = torch.zeros(2, 3)
     assert signature(x, {"a": 1}) == signature(torch.ones(2, 3), {"a": 1})  # contents are not guarded
+    complex_x = torch.zeros(2, 3, dtype=torch.cfloat)
+    for other in (complex_x.conj(), torch.zeros(2, 3, requires_grad=True), torch.zeros(2, 3, device="meta"),
+                  torch.nn.Parameter(torch.zeros(2, 3))):
+        assert signature(other) != signature(complex_x if other.is_complex() else x)
+    assert signature(torch._neg_view(complex_x)) != signature(complex_x)
+    with torch.inference_mode():
+        inference_x = torch.zeros(2, 3)
+    assert signature(inference_x) != signature(x)
     assert signature(x, x) != signature(x, torch.zeros(2, 3))  # one tensor twice, or two
     assert signature(x) != signature(x.t().contiguous().t())  # strides
     assert signature(x) != signature(x.double()) and signature((x, 1)) != signature((x, 2))
@@ -194,3 +227,20 @@ def test_a_layer_changed_between_calls_runs_what_it_now_is():
     changed = logits()
     assert (changed - expected).abs().max() > 1e-2  # the change shows in the logits, far beyond the tolerance
     torch.testing.assert_close(patched, changed, atol=1e-4, rtol=1e-4)
+
+
+def test_a_speculative_call_whose_setup_raises_still_closes_the_steps_trust(monkeypatch):
+    from hf_accel.runtime.compiled_step import CompiledDecodeStep
+
+    model = make_tiny_model("llama")
+    ids, mask = left_padded_batch(model, (9, 6))
+    hf_accel.patch(model, compile="inductor", speculative="ngram", compile_when="first_use")
+    step = model._hf_accel_state.compiled_step
+
+    def out_of_memory(self, batch_size, needed_length):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(CompiledDecodeStep, "cache_for", out_of_memory)  # after the call's begin_call
+    with pytest.raises(RuntimeError, match="out of memory"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert step._trusted.current() is None  # stock calls and a user's own cache get dynamo's lookup again

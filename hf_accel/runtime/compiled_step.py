@@ -38,7 +38,7 @@ from hf_accel.runtime.compile_cache import CompileStore, Stored, fingerprint
 from hf_accel.runtime.compile_policy import CompilePolicy, Decision, StepTimer
 from hf_accel.runtime.generation import cache_keyword
 from hf_accel.runtime.graph_calls import TrustedLayers
-from hf_accel.runtime.kv_cache import CACHES_KEPT, BucketedCaches  # noqa: F401 (CACHES_KEPT: where it was)
+from hf_accel.runtime.kv_cache import BucketedCaches
 from hf_accel.runtime.layer_graphs import (
     CompileStats,
     GraphCompiler,
@@ -73,6 +73,7 @@ _FROM_STORE = "compiled before on this machine"
 _clock = time.perf_counter
 #: Cache lengths are rounded up to a multiple of this, and a cache serves every later call that fits in it.
 BUCKET = 256
+#: Relative error above which a freshly compiled graph is refused: exact fp32 graphs measure ~1e-6.
 CHECK_TOLERANCE = 1e-3
 #: The same where activations are rounded to bf16 (quantized Linear kernels): inductor fuses the casts, which
 #: moves outputs by about one bf16 rounding (SmolLM2 int4: 5.5e-3 on the logits).

@@ -18,10 +18,10 @@ for the step's later calls whose inputs match the lead's :func:`signature`. Ever
 own lookup: calls outside a ``generate`` call, off the CPU (CUDA graphs count dynamo's calls), under a compile or
 a stance other than the default, or with inputs :func:`signature` cannot describe.
 
-What is assumed beyond dynamo's guards: while a call runs, nothing but an assignment the hooks see changes what
-a layer's graph was checked against (a plain attribute set on a submodule mid-call, by a streamer say, is not
-seen), and no other thread changes process-wide state such as the default dtype. Between calls every layer is
-checked in full again.
+What is assumed beyond dynamo's guards: while a call runs, nothing but an assignment the hooks see (or the layer's
+own ``training``) changes what a layer's graph was checked against; a streamer that calls ``model.to(...)``, sets
+``param.data`` or a plain attribute of a submodule mid-call is not seen, nor another thread changing process-wide
+state such as the default dtype. Between calls every layer is checked in full again.
 
 Example::
 
@@ -134,8 +134,8 @@ class TrustedLayers:
     def current(self) -> set[tuple[Hashable, ...]] | None:
         """The layers checked in this call (none, if a module, parameter or buffer was assigned into one of
         them since); None between calls."""
-        if self._stale and self._checked is not None:
-            self._checked, self._stale = set(), False
+        if self._stale and self._checked is not None:  # the freed modules' ids go too: a new module may take one
+            self._checked, self._watched, self._stale = set(), set(), False
         return self._checked
 
     def trust(self, key: tuple[Hashable, ...], layer: torch.nn.Module) -> None:
@@ -153,9 +153,9 @@ class Lead:
     """A step's first call of a kind: its inputs' signature and the graph whose guards it passed."""
 
     signature: tuple[Hashable, ...]
-    code: types.CodeType  # dynamo's transformed code for that graph (held: the cache entry is dynamo's to free)
-    guards: Any  # the graph's guard manager
-    function: Callable[..., Any]  # the code as a function: gathers the graph's inputs, runs it, replays effects
+    code: types.CodeType | None  # dynamo's transformed code for that graph (None: no graph's guards passed);
+    guards: Any  # the graph's guard manager (held, not the cache entry: that is dynamo's to free)
+    function: Callable[..., Any] | None  # the code as a function: gathers the graph's inputs, runs it, replays effects
 
 
 class StepGuardedCalls:
@@ -185,11 +185,12 @@ class StepGuardedCalls:
         lead = leads.get(id(self))
         layer_key = (id(layer), layer.training, id(layer_cache), cache_constants)
         if lead is None or lead.signature != call_signature:
-            lead = self._choose(inputs, call_signature)  # the guards in full, as dynamo checks them
-            if lead is None:
+            lead = leads[id(self)] = self._choose(inputs, call_signature)  # the guards in full, as dynamo checks them
+            if lead.code is None:  # no graph: so for the step's later calls alike, without looking again
                 return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
-            leads[id(self)] = lead
             self.trusted.trust((lead.code, *layer_key), layer)
+        elif lead.code is None:
+            return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
         elif (lead.code, *layer_key) not in checked:  # the layer's first call of this graph
             self.trusted.guard_checks += 1
             if not lead.guards.check(self._frame(inputs)):
@@ -203,14 +204,15 @@ class StepGuardedCalls:
         finally:
             set_eval_frame(before)
 
-    def _choose(self, inputs: tuple[Any, ...], call_signature: tuple[Hashable, ...]) -> Lead | None:
-        """The graph dynamo would run for these inputs: the first cached one whose guards pass (None if none)."""
+    def _choose(self, inputs: tuple[Any, ...], call_signature: tuple[Hashable, ...]) -> Lead:
+        """The graph dynamo would run for these inputs: the first cached one whose guards pass (a lead without
+        code if none does)."""
         frame = self._frame(inputs)
         for entry in _debug_get_cache_entry_list(self.body.__code__):
             self.trusted.guard_checks += 1
             if entry.guard_manager.check(frame):
                 return Lead(call_signature, entry.code, entry.guard_manager, self._function(entry.code))
-        return None
+        return Lead(call_signature, None, None, None)
 
     def _frame(self, inputs: tuple[Any, ...]) -> dict[str, Any]:
         """The frame's locals as dynamo's guards read them at the call: the arguments and the closure's cells."""
