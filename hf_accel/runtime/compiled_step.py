@@ -218,9 +218,8 @@ class CompiledDecodeStep(BucketedCaches):
             for shape in run.waiting:  # two kinds of layer waiting in one step share its time
                 self._waited[shape] = self._waited.get(shape, 0.0) + waited / len(run.waiting)
         s = self.stats  # the counters only: the rest of the report changes when a decision or a compile does
-        s.direct_calls = self._trusted.direct_calls
         self.details.update(compiled_steps=s.compiled_steps, eager_steps=s.eager_steps, eager_seconds=s.eager_seconds,
-                            misses=s.misses, direct_calls=s.direct_calls)
+                            misses=s.misses, direct_calls=self._trusted.direct_calls)
         return out
 
     def layer_forward(self, run: RegionRun, region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -369,6 +368,6 @@ class CompiledDecodeStep(BucketedCaches):
         shapes = {str(shape): f"compiled in {seconds:.1f} s" for shape, seconds in self._compiled.items()}
         for shape, decision in self._decisions.items():
             shapes.setdefault(str(shape), decision.reason)
-        self.details.update(asdict(self.stats), bucket=self.bucket, mode=self.backend.mode or "default",
-                            when=self.policy.when, shapes=shapes, cache_bytes=self.cache_bytes(),
-                            cached_batch_sizes=list(self._caches))
+        self.details.update(asdict(self.stats), direct_calls=self._trusted.direct_calls, bucket=self.bucket,
+                            mode=self.backend.mode or "default", when=self.policy.when, shapes=shapes,
+                            cache_bytes=self.cache_bytes(), cached_batch_sizes=list(self._caches))

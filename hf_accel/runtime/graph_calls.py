@@ -183,19 +183,19 @@ class StepGuardedCalls:
         except Exception:  # an object, a tensor without strides, a cache layer without attributes
             return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
         lead = leads.get(id(self))
-        layer_key = (id(layer), layer.training, id(layer_cache), cache_constants)
-        if lead is None or lead.signature != call_signature:
+        chosen = lead is None or lead.signature != call_signature
+        if chosen:
             lead = leads[id(self)] = self._choose(inputs, call_signature)  # the guards in full, as dynamo checks them
-            if lead.code is None:  # no graph: so for the step's later calls alike, without looking again
-                return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
-            self.trusted.trust((lead.code, *layer_key), layer)
-        elif lead.code is None:
+        if lead.code is None:  # no graph: so for the step's later calls alike, without looking again
             return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
-        elif (lead.code, *layer_key) not in checked:  # the layer's first call of this graph
+        key = (lead.code, id(layer), layer.training, id(layer_cache), cache_constants)
+        if chosen:
+            self.trusted.trust(key, layer)
+        elif key not in checked:  # the layer's first call of this graph
             self.trusted.guard_checks += 1
             if not lead.guards.check(self._frame(inputs)):
                 return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
-            self.trusted.trust((lead.code, *layer_key), layer)
+            self.trusted.trust(key, layer)
         else:
             self.trusted.direct_calls += 1
         before = set_eval_frame(_RUN_ONLY)  # frames the graph's code calls (a graph break's) are looked up too

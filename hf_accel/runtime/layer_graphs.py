@@ -63,7 +63,6 @@ class CompileStats:
     eager_steps: int = 0  # forwards with a layer whose shape class was not compiled (yet)
     eager_seconds: float = 0.0  # the time of those forwards: what running eagerly has cost so far
     misses: int = 0  # layer calls of a compiled shape class that matched no graph (ran eagerly)
-    direct_calls: int = 0  # graph calls that relied on their step's first guard check (see graph_calls)
     check_error: float | None = None  # worst relative error of a new graph against the eager layer
     failure: str | None = None  # why the step fell back to eager for good
 
