@@ -448,7 +448,7 @@ def test_the_policy_weighs_eager_time_lost_against_the_compile_estimate():
 
 
 def test_the_timer_measures_a_saving_once_enough_steps_of_each_kind_ran_and_tells_it_once():
-    from hf_accel.runtime.compile_policy import MEASURED_STEPS, CompilePolicy, StepTimer
+    from hf_accel.runtime.compile_policy import KEPT_STEPS, MEASURED_STEPS, CompilePolicy, StepTimer
 
     timer = StepTimer()
     for _ in range(MEASURED_STEPS):
@@ -463,6 +463,14 @@ def test_the_timer_measures_a_saving_once_enough_steps_of_each_kind_ran_and_tell
     for compiled, seconds in [(False, 0.1)] * 8 + [(True, 0.2)] * 8:
         slower.add(["a"], seconds, compiled)
     assert list(slower.measured({"a"})) == [("a", 0.05)]  # the floor: auto still compiles, late, and measures anew
+    outliers = StepTimer()  # a process's first eager step, and one compiled step of a busy moment
+    for compiled, seconds in [(False, 0.3)] + [(False, 0.04)] * 8 + [(True, 0.03)] * 7 + [(True, 1.0)]:
+        outliers.add(["a"], seconds, compiled)
+    assert list(outliers.measured({"a"})) == [("a", 0.25)]
+    recent = StepTimer()  # the latest eager steps count: they ran at the context lengths nearest the compiled ones
+    for compiled, seconds in [(False, 0.01)] * KEPT_STEPS + [(False, 0.04)] * KEPT_STEPS + [(True, 0.03)] * 8:
+        recent.add(["a"], seconds, compiled)
+    assert list(recent.measured({"a"})) == [("a", 0.25)]
     policy = CompilePolicy(saved_fraction=0.1)
     assert not policy.decide((1.0, "warm"), eager_seconds=4.0).compile  # 0.4 s lost at the assumed 10%
     decision = policy.decide((1.0, "warm"), eager_seconds=4.0, measured_saving=0.3)  # 1.2 s at the measured 30%

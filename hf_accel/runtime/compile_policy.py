@@ -21,6 +21,8 @@ the compile a cache hit), or :data:`COLD_COMPILE_SECONDS` for a shape class this
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from collections.abc import Collection, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -40,6 +42,8 @@ MEASURED_STEPS = 8
 #: A measured saving is kept within these bounds: a noisy measurement near zero must not stop ``auto`` from
 #: ever compiling again on this machine (a later process that waits and then compiles measures anew).
 SAVED_FRACTION_BOUNDS = (0.05, 0.9)
+#: Timed decode steps of each kind a shape class keeps for the measurement (the latest ones).
+KEPT_STEPS = 64
 
 WHEN = ("auto", "first_use")
 
@@ -92,24 +96,23 @@ class CompilePolicy:
 
 @dataclass
 class StepTimes:
-    """The decode steps of one shape class a process has timed, eager and compiled."""
+    """The decode steps of one shape class a process has timed, eager and compiled: the latest
+    :data:`KEPT_STEPS` of each (the eager ones nearest in context length to the compiled ones after them)."""
 
-    eager_seconds: float = 0.0
-    eager_steps: int = 0
-    compiled_seconds: float = 0.0
-    compiled_steps: int = 0
+    eager: deque[float] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
+    compiled: deque[float] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
 
     def add(self, seconds: float, compiled: bool) -> None:
-        if compiled:
-            self.compiled_seconds, self.compiled_steps = self.compiled_seconds + seconds, self.compiled_steps + 1
-        else:
-            self.eager_seconds, self.eager_steps = self.eager_seconds + seconds, self.eager_steps + 1
+        (self.compiled if compiled else self.eager).append(seconds)
 
     def saving(self) -> float | None:
-        """``1 - compiled / eager`` of the mean step times, once :data:`MEASURED_STEPS` of each were timed."""
-        if min(self.eager_steps, self.compiled_steps) < MEASURED_STEPS or self.eager_seconds <= 0:
+        """``1 - compiled / eager`` of the median step times, once :data:`MEASURED_STEPS` of each were timed.
+        Medians, because a process's first eager step (lazy initialisation: 5-7x a later one, measured on
+        SmolLM2's draft) or one slow compiled step on a busy machine would move a mean of eight by a third."""
+        if min(len(self.eager), len(self.compiled)) < MEASURED_STEPS:
             return None
-        return 1 - (self.compiled_seconds / self.compiled_steps) / (self.eager_seconds / self.eager_steps)
+        eager = statistics.median(self.eager)
+        return None if eager <= 0 else 1 - statistics.median(self.compiled) / eager
 
 
 def bounded(saving: float) -> float:
