@@ -70,13 +70,14 @@ def test_each_covered_setting_gives_stocks_tokens_with_speculation(case, drafter
     # A draft model with the target's weights: its drafts pass the same processors, so most are kept.
     speculative = make_tiny_model("llama") if drafter == "draft_model" else "ngram"
     hf_accel.patch(model, compile=None, speculative=speculative)
+    before = dict(hf_accel.report(model)["speculative"].details)  # patch's own check ran a call
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
     details = hf_accel.report(model)["speculative"].details
-    assert details["fallbacks_to_stock"] == 0
+    assert details["fallbacks_to_stock"] == 0 and details["calls"] == before["calls"] + 1
     if case != "max_time":  # which stops every row at its first token, before any draft
-        assert details["drafted"] > 0
+        assert details["drafted"] > before["drafted"]
     if drafter == "draft_model" and case != "max_time":
-        assert details["accepted"] > 0
+        assert details["accepted"] > before["accepted"]
 
 
 def test_a_model_cards_settings_apply_and_the_calls_own_override_them(llama):
@@ -217,15 +218,17 @@ def test_a_trie_of_allowed_continuations_is_asked_only_about_prefixes_stock_buil
     assert asked <= stock_asked and hf_accel.report(llama)["speculative"].details["drafted"] > 0
 
 
-def test_rows_a_stop_ends_without_an_eos_token_run_stock(llama):
-    """Without an EOS token stock pads no row: one that max_time (or a stop string) ended keeps generating
-    until all have ended, which the loop does not do."""
+def test_rows_a_stop_string_ends_without_an_eos_token_run_stock(llama):
+    """Without an EOS token stock pads no row: one that a stop string ended keeps generating until all have
+    ended, which the loop does not do."""
     llama.generation_config.eos_token_id = None
     ids, mask = left_padded_batch(llama)
+    tokenizer = word_tokenizer(["abcdef"] + [f"w{i}" for i in range(4, VOCAB)])
     hf_accel.patch(llama, compile=None, speculative="ngram")
-    llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, max_time=10.0)
+    llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, stop_strings=["w9"],
+                   tokenizer=tokenizer)
     assert hf_accel.report(llama)["speculative"].details["fallback_reasons"] == {
-        "stop_strings or max_time with batch > 1 and no eos_token_id": 1}
+        "stop_strings with batch > 1 and no eos_token_id": 1}
 
 
 @pytest.mark.parametrize("settings", [{"renormalize_logits": True}, {"remove_invalid_values": True}])
@@ -358,21 +361,23 @@ def test_stop_strings_end_each_row_where_stock_ends_it(drafter):
     assert details["fallbacks_to_stock"] == 0 and details["drafted"] > 0
 
 
-def test_max_time_ends_each_row_mid_loop_with_stocks_tokens_so_far(llama, monkeypatch):
-    """``max_time`` asked at every drafted position, on a clock that moves one second per reading: each row
-    ends early, on its own step, with a prefix of stock's tokens, then padding. (Stock ends every row at the
-    same step, by wall time, so lengths are not stock's to compare.)"""
+@pytest.mark.parametrize("eos", ["the model's", "none"])
+def test_max_time_ends_every_row_at_one_step_with_stocks_tokens(llama, monkeypatch, eos):
+    """``max_time`` on a clock that moves one second per reading, asked once per step as stock asks it: the
+    call ends early, mid-loop, and every row holds stock's tokens up to one length (stock's step when its time
+    ran out), though the rows had gained different numbers of tokens per step. Without an EOS token too: no
+    row ends before the others, so none needs padding."""
+    if eos == "none":
+        llama.generation_config.eos_token_id = None
     ids, mask = left_padded_batch(llama)
     n, budget = ids.shape[1], 24
     reference = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=budget, do_sample=False)
     readings = itertools.count()
     monkeypatch.setattr(stopping_criteria, "time", types.SimpleNamespace(time=lambda: float(next(readings))))
     hf_accel.patch(llama, compile=None, speculative="ngram")
-    out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=budget, do_sample=False, max_time=30.0)
-    pad = llama.generation_config.pad_token_id
-    for row, stock in zip(out[:, n:], reference[:, n:]):
-        made = next(k for k in range(row.shape[0], -1, -1) if torch.equal(row[:k], stock[:k]))
-        assert 2 <= made < budget and (row[made:] == pad).all(), (made, row)
+    out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=budget, do_sample=False, max_time=4.0)
+    made = out.shape[1] - n
+    assert 2 <= made < budget and torch.equal(out, reference[:, : n + made]), (made, out[:, n:], reference[:, n:])
     details = hf_accel.report(llama)["speculative"].details
     assert details["fallbacks_to_stock"] == 0 and details["accepted"] > 0
 
@@ -459,7 +464,8 @@ THREE_ROWS, ONE_PROMPT = (7, 3, 5), (5,)
 @pytest.mark.parametrize("call, remedy, lengths", [
     ({"output_scores": True, "return_dict_in_generate": True}, "call generate with one row at a time, or without",
      THREE_ROWS),
-    ({"max_time": 10.0, "eos_token_id": []}, "eos_token_id", THREE_ROWS),
+    ({"stop_strings": ["w9"], "tokenizer": word_tokenizer(["abcdef"] + [f"w{i}" for i in range(4, VOCAB)]),
+      "eos_token_id": []}, "eos_token_id", THREE_ROWS),
     ({"logits_processor": LogitsProcessorList([Recorder(5)])}, "call generate with one row at a time", THREE_ROWS),
     # One prompt made rows by num_return_sequences: "one row at a time" would not help.
     ({"output_scores": True, "return_dict_in_generate": True, "do_sample": True, "num_return_sequences": 2},
@@ -551,12 +557,13 @@ def test_a_model_cards_settings_that_block_speculation_are_listed(tmp_path, caps
 def test_a_model_cards_settings_that_block_batches_are_listed_apart(tmp_path, capsys):
     from hf_accel.tools.cli import main
 
-    GenerationConfig(return_dict_in_generate=True, output_scores=True, max_time=5.0,
+    GenerationConfig(return_dict_in_generate=True, output_scores=True, stop_strings=["w9"], max_time=5.0,
                      eos_token_id=None).save_pretrained(tmp_path)
     assert main(["doctor", "--model", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "every generate call" not in out and "generate calls with batch > 1" in out
-    assert "output_scores=True" in out and "max_time=5.0 without an eos_token_id" in out
+    assert "output_scores=True" in out and "stop_strings=['w9'] without an eos_token_id" in out
+    assert "max_time" not in out  # the clock ends every row at once: nothing to pad
 
 
 def test_a_model_without_a_generation_config_is_read_from_its_config(tmp_path, capsys):
@@ -578,7 +585,7 @@ COVERED_BY = {
     "max_new_tokens": "test_each_covered_setting_gives_stocks_tokens_with_speculation",
     "eos_token_id": "test_speculative.py::test_partially_accepted_drafts_and_eos_inside_a_draft",
     "pad_token_id": SAMPLED,  # rows padded with an id of their own after their EOS
-    "max_time": "test_max_time_ends_each_row_mid_loop_with_stocks_tokens_so_far",
+    "max_time": "test_max_time_ends_every_row_at_one_step_with_stocks_tokens",
     "stop_strings": "test_stop_strings_end_each_row_where_stock_ends_it",
     "num_return_sequences": "test_several_returned_sequences_are_expanded_as_stock_expands_them",
     "remove_invalid_values": "test_invalid_logits_are_removed_as_stock_removes_them",

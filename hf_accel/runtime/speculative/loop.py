@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
-from transformers import GenerationConfig, StoppingCriteriaList
+from transformers import GenerationConfig, MaxTimeCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_accel.runtime.cached_lm import CachedLM, can_share
@@ -146,7 +146,8 @@ class SpeculativeLoop:
         #: What a drafter applies to its own proposals: the same, less the user's processors (built-in ones are
         #: functions of the prefix; a user's may count its calls, and stock makes none for drafts).
         self.draft_processors = processors if draft_processors is None else draft_processors
-        self.stopping = stopping
+        # max_time is asked once per step for the whole batch (see _check_deadline); the rest per row and token.
+        self.stopping, self.deadline = split_deadline(stopping)
         self.streamer = streamer
         self.max_new_tokens = max_new_tokens
         self.draft_length = draft_length
@@ -178,6 +179,7 @@ class SpeculativeLoop:
         self.stats.target_forwards += len(self.rows)
         kept, tokens, scores = self._accept(logits, empty)
         self._append(tokens, kept + 1, scores, logits)
+        self._check_deadline()
         if not bool(self.finished.all()):
             self.drafter.start(self)
         while not bool(self.finished.all()):
@@ -202,6 +204,7 @@ class SpeculativeLoop:
         self._append(tokens, kept + 1, scores, logits)
         self.drafter.accepted(self, draft, kept)
         self.draft_length.update(draft, kept, active)
+        self._check_deadline()  # after the drafter saw the step: it ends the loop, and may cut rows
 
     # -- acceptance ---------------------------------------------------------------------------------------
     def _accept(self, logits: torch.Tensor, draft: Draft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -304,6 +307,20 @@ class SpeculativeLoop:
         stops = self._stop_checked[b, prefix.shape[0]] = bool(self.stopping(prefix[None], scores).any())
         return stops
 
+    def _check_deadline(self) -> None:
+        """Stock asks ``max_time`` after each step for the whole batch, so every row still running ends at the
+        same length; here rows gain different numbers of tokens per step, so once the time is up every row is
+        cut to the shortest running row's length: what stock returns when its time runs out at that step."""
+        if self.deadline is None or bool(self.finished.all()):
+            return
+        if not bool(self.deadline(self.rows[0][None], None).any()):  # the same answer for every row
+            return
+        length = min(row.shape[0] for row, done in zip(self.rows, self.finished.tolist()) if not done)
+        for b in range(len(self.rows)):
+            self.rows[b] = self.rows[b][:length]
+            del self.scores[b][length - self.prompt_length:], self.logits[b][length - self.prompt_length:]
+        self.finished[:] = True
+
     def _sequences(self) -> torch.Tensor:
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else min(self.eos, default=0)
         width = max(row.shape[0] for row in self.rows)
@@ -321,6 +338,15 @@ class SpeculativeLoop:
             column = [r[s] if s < len(r) else per_row[0][0].new_full((vocab,), float("-inf")) for r in per_row]
             out.append(torch.stack(column))
         return tuple(out)
+
+
+def split_deadline(stopping: StoppingCriteriaList | None) -> tuple[StoppingCriteriaList | None, StoppingCriteriaList | None]:
+    """``stopping`` without its ``max_time`` criteria, and those criteria (None where there are none)."""
+    if not stopping:
+        return stopping, None
+    timed = [c for c in stopping if isinstance(c, MaxTimeCriteria)]
+    rest = StoppingCriteriaList([c for c in stopping if not isinstance(c, MaxTimeCriteria)])
+    return rest, StoppingCriteriaList(timed) if timed else None
 
 
 def accept_sampled(p: torch.Tensor, draft: Draft, in_draft: torch.Tensor, draws: torch.Tensor | None = None,

@@ -108,7 +108,7 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
     if extra["tokenizer"] is None and config.stop_strings:
         return _STOCK_RAISES_FOR_STOP_STRINGS
     if stops_without_eos(config) and input_ids.shape[0] > 1:
-        return Fallback("stop_strings or max_time with batch > 1 and no eos_token_id",
+        return Fallback("stop_strings with batch > 1 and no eos_token_id",
                         "set an eos_token_id (rows that stop are then padded with it, as stock pads them), "
                         "or " + one_row)
     for name in ("logits_processor", "stopping_criteria"):

@@ -28,8 +28,10 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "min_length": (COVERED, "processor, applied per position"),
     "min_new_tokens": (COVERED, "processor, applied per position"),
     "eos_token_id": (COVERED, "stops the row"),
-    "stop_strings": (COVERED, "stopping criterion (pass tokenizer= to generate, as stock requires)"),
-    "max_time": (COVERED, "stopping criterion"),
+    "stop_strings": (COVERED, "stopping criterion (pass tokenizer= to generate, as stock requires); batch > 1 "
+                              "without an eos_token_id runs stock, which keeps generating rows that stopped"),
+    "max_time": (COVERED, "asked once per step for the whole batch: when the time is up every row ends at the "
+                          "shortest running row's length, where stock's would all have ended at that step"),
     "early_stopping": (NO_EFFECT, "beam search only"),
     # sampling
     "do_sample": (COVERED, "exact speculative sampling"),
@@ -150,10 +152,10 @@ def returns_scores(config: GenerationConfig) -> bool:
 
 
 def stops_without_eos(config: GenerationConfig) -> bool:
-    """Whether a stop string or the clock may end a row while there is no EOS token to pad it with: stock then
-    keeps generating real tokens for it until every row has ended, which the loop would not, so batches of
-    them run stock."""
-    return config.eos_token_id in (None, []) and bool(config.stop_strings or config.max_time)
+    """Whether a stop string may end a row while there is no EOS token to pad it with: stock then keeps
+    generating real tokens for it until every row has ended, which the loop would not, so batches of them run
+    stock. (The clock ends every row at once, in stock and in the loop.)"""
+    return config.eos_token_id in (None, []) and bool(config.stop_strings)
 
 
 def batch_blocking_settings(config: GenerationConfig) -> list[str]:
@@ -163,8 +165,8 @@ def batch_blocking_settings(config: GenerationConfig) -> list[str]:
              "one ends)" for key in ("output_scores", "output_logits")
              if returns_scores(config) and getattr(config, key, False)]
     if stops_without_eos(config):
-        found += [f"{key}={getattr(config, key)!r} without an eos_token_id (stock keeps generating rows that "
-                  "stopped, unpadded)" for key in ("stop_strings", "max_time") if getattr(config, key, None)]
+        found.append(f"stop_strings={config.stop_strings!r} without an eos_token_id (stock keeps generating rows "
+                     "that stopped, unpadded)")
     return found
 
 
