@@ -108,8 +108,8 @@ def test_another_install_of_torch_keeps_entries_of_its_own_side_by_side(store, m
 
 @pytest.mark.parametrize("damage", [lambda e: None, lambda e: {**e, "warm_seconds": "soon"},
                                     lambda e: {**e, "fingerprint": "LlamaForCausalLM"},
-                                    lambda e: {**e, "saved_fraction": 1.5}, lambda e: {**e, "saved_fraction": 0},
-                                    lambda e: {**e, "saved_fraction": False}],
+                                    lambda e: {**e, "median_saving": 1.5}, lambda e: {**e, "median_saving": 0},
+                                    lambda e: {**e, "median_saving": False}],
                          ids=["null", "seconds not a number", "fingerprint not a mapping", "saving over 1",
                               "saving of nothing (auto would never compile)", "saving not a number"])
 def test_a_malformed_entry_is_discarded_with_a_log_line(store, caplog, damage):

@@ -467,10 +467,11 @@ def test_the_timer_measures_a_saving_once_enough_steps_of_each_kind_ran_and_tell
     for compiled, seconds in [(False, 0.3)] + [(False, 0.04)] * 8 + [(True, 0.03)] * 7 + [(True, 1.0)]:
         outliers.add(["a"], seconds, compiled)
     assert list(outliers.measured({"a"})) == [("a", 0.25)]
-    recent = StepTimer()  # the latest eager steps count: they ran at the context lengths nearest the compiled ones
-    for compiled, seconds in [(False, 0.01)] * KEPT_STEPS + [(False, 0.04)] * KEPT_STEPS + [(True, 0.03)] * 8:
-        recent.add(["a"], seconds, compiled)
-    assert list(recent.measured({"a"})) == [("a", 0.25)]
+    nearest = StepTimer()  # the latest eager steps and the first compiled ones: nearest each other in context
+    for compiled, seconds in ([(False, 0.01)] * KEPT_STEPS + [(False, 0.04)] * KEPT_STEPS
+                              + [(True, 0.03)] * KEPT_STEPS + [(True, 0.05)] * KEPT_STEPS):
+        nearest.add(["a"], seconds, compiled)
+    assert list(nearest.measured({"a"})) == [("a", 0.25)]
     policy = CompilePolicy(saved_fraction=0.1)
     assert not policy.decide((1.0, "warm"), eager_seconds=4.0).compile  # 0.4 s lost at the assumed 10%
     decision = policy.decide((1.0, "warm"), eager_seconds=4.0, measured_saving=0.3)  # 1.2 s at the measured 30%
@@ -527,7 +528,7 @@ def test_what_compiling_saved_is_kept_and_a_later_process_compiles_sooner_for_it
     assert torch.equal(greedy(second, ids, mask, 6), expected[:, :ids.shape[1] + 6])
     details = compile_details(second)
     assert (details["graphs_compiled"], details["eager_steps"], details["compiled_steps"]) == (1, 4, 1)
-    edit_index(empty_store / "compile", lambda entry: entry.pop("saved_fraction"))  # the same store, unmeasured
+    edit_index(empty_store / "compile", lambda entry: entry.pop("median_saving"))  # the same store, unmeasured
     third = patched()
     assert torch.equal(greedy(third, ids, mask, 6), expected[:, :ids.shape[1] + 6])
     assert (compile_details(third)["graphs_compiled"], compile_details(third)["eager_steps"]) == (0, 5)

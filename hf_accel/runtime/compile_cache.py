@@ -48,6 +48,9 @@ from hf_accel.runtime.compile_policy import valid_saving
 if TYPE_CHECKING:
     from hf_accel.runtime.layer_graphs import GraphCompiler
 
+#: The index key of a shape class's measured saving: from median step times (an earlier "saved_fraction" came
+#: from means, which one slow step could pin at the floor, and is not read).
+SAVING_KEY = "median_saving"
 logger = logging.getLogger(__name__)
 
 FORMAT = 2  # 2: compiled code under compile/code (it was compile/inductor), the compiler in the fingerprint
@@ -150,7 +153,7 @@ class CompileStore:
         entry = self._entries().get(key)
         if entry is None or not self._valid(entry, fp, key):
             return None
-        return Stored(entry.get("warm_seconds"), entry.get("saved_fraction"))
+        return Stored(entry.get("warm_seconds"), entry.get(SAVING_KEY))
 
     @contextlib.contextmanager
     def compiling(self, compiler: GraphCompiler) -> Iterator[None]:
@@ -178,7 +181,7 @@ class CompileStore:
 
     def record_saving(self, fp: dict[str, Any], shape: Any, fraction: float) -> None:
         """Keep what compiling ``shape`` saved of a decode step here (the shape class must be recorded)."""
-        self._edit_entry(fp, shape, lambda entry: {**entry, "saved_fraction": fraction}
+        self._edit_entry(fp, shape, lambda entry: {**entry, SAVING_KEY: fraction}
                          if _well_formed_entry(entry) else None)
 
     def _edit_entry(self, fp: dict[str, Any], shape: Any, edit: Callable[[Any], dict[str, Any] | None]) -> None:
@@ -298,7 +301,7 @@ def _well_formed_entry(entry: Any) -> bool:
         return False
     seconds_ok = all(isinstance(entry.get(k), (int, float)) or entry.get(k) is None
                      for k in ("cold_seconds", "warm_seconds"))
-    saving = entry.get("saved_fraction")
+    saving = entry.get(SAVING_KEY)
     return (seconds_ok and (saving is None or valid_saving(saving)) and isinstance(entry.get("fingerprint"), dict)
             and isinstance(entry.get("versions"), dict))
 

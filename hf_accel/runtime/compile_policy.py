@@ -42,7 +42,7 @@ MEASURED_STEPS = 8
 #: A measured saving is kept within these bounds: a noisy measurement near zero must not stop ``auto`` from
 #: ever compiling again on this machine (a later process that waits and then compiles measures anew).
 SAVED_FRACTION_BOUNDS = (0.05, 0.9)
-#: Timed decode steps of each kind a shape class keeps for the measurement (the latest ones).
+#: Timed decode steps of each kind a shape class keeps for the measurement.
 KEPT_STEPS = 64
 
 WHEN = ("auto", "first_use")
@@ -96,19 +96,23 @@ class CompilePolicy:
 
 @dataclass
 class StepTimes:
-    """The decode steps of one shape class a process has timed, eager and compiled: the latest
-    :data:`KEPT_STEPS` of each (the eager ones nearest in context length to the compiled ones after them)."""
+    """The decode steps of one shape class a process has timed: the latest :data:`KEPT_STEPS` eager ones and
+    the first :data:`KEPT_STEPS` compiled ones, the two ends nearest each other in context length."""
 
     eager: deque[float] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
-    compiled: deque[float] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
+    compiled: list[float] = field(default_factory=list)
 
     def add(self, seconds: float, compiled: bool) -> None:
-        (self.compiled if compiled else self.eager).append(seconds)
+        if not compiled:
+            self.eager.append(seconds)
+        elif len(self.compiled) < KEPT_STEPS:
+            self.compiled.append(seconds)
 
     def saving(self) -> float | None:
         """``1 - compiled / eager`` of the median step times, once :data:`MEASURED_STEPS` of each were timed.
-        Medians, because a process's first eager step (lazy initialisation: 5-7x a later one, measured on
-        SmolLM2's draft) or one slow compiled step on a busy machine would move a mean of eight by a third."""
+        Medians, because one compiled step of a busy moment moves a mean of eight by a third or more (and one
+        such mean could store the 5% floor for a class that saves 20-37%), and a process's first eager step
+        (5-7x a later one, measured on SmolLM2's draft) moves a mean of eight eager steps by half or more."""
         if min(len(self.eager), len(self.compiled)) < MEASURED_STEPS:
             return None
         eager = statistics.median(self.eager)

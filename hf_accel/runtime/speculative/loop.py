@@ -340,7 +340,8 @@ class SpeculativeLoop:
         return tuple(out)
 
 
-def split_deadline(stopping: StoppingCriteriaList | None) -> tuple[StoppingCriteriaList | None, StoppingCriteriaList | None]:
+def split_deadline(
+        stopping: StoppingCriteriaList | None) -> tuple[StoppingCriteriaList | None, StoppingCriteriaList | None]:
     """``stopping`` without its ``max_time`` criteria, and those criteria (None where there are none)."""
     if not stopping:
         return stopping, None
