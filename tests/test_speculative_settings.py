@@ -574,6 +574,19 @@ def test_a_model_without_a_generation_config_is_read_from_its_config(tmp_path, c
     assert "leaves speculative decoding on for every call" in capsys.readouterr().out
 
 
+def test_doctor_says_what_it_cannot_read_and_that_encoder_decoders_run_stock(tmp_path, capsys):
+    from transformers import T5Config
+
+    from hf_accel.tools.cli import main
+
+    assert main(["doctor", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"]) == 2  # a Hub id is not read
+    assert "is not a local directory" in capsys.readouterr().err
+    T5Config(vocab_size=64, d_model=8, d_ff=16, num_layers=1, num_heads=1).save_pretrained(tmp_path)
+    assert main(["doctor", "--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "encoder-decoder" in out and "leaves speculative decoding on" not in out
+
+
 #: Where each setting the table calls covered is checked against stock, besides ``CASES`` (greedy identity above).
 SAMPLED = "test_speculative.py::test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token"
 COVERED_BY = {

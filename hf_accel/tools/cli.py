@@ -165,8 +165,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _print_speculation_blockers(model_dir: str) -> None:
+    from pathlib import Path
+
     from hf_accel.runtime.speculative.settings import batch_blocking_settings, blocking_settings
 
+    if not Path(model_dir).is_dir():
+        raise CLIError(f"--model {model_dir!r} is not a local directory: pass the directory a model was saved or "
+                       "downloaded to (for a Hub id, `huggingface-cli download ID` prints where)")
+    if _is_encoder_decoder(model_dir):
+        print(f"{model_dir}: an encoder-decoder model: every generate call runs without speculation (the loop "
+              "drafts for decoder-only models only)")
+        return
     config = _generation_config_of(model_dir)
     blocking, batches = blocking_settings(config), batch_blocking_settings(config)
     if not blocking and not batches:
@@ -177,6 +186,16 @@ def _print_speculation_blockers(model_dir: str) -> None:
             print(f"{model_dir}: these settings of its generation config make {calls} {without}:")
             for setting in settings:
                 print(f"  {setting}")
+
+
+def _is_encoder_decoder(model_dir: str) -> bool:
+    """What the model's ``config.json`` says (False where it has none to read: the generation config decides)."""
+    from transformers import AutoConfig
+
+    try:
+        return bool(AutoConfig.from_pretrained(model_dir).is_encoder_decoder)
+    except (OSError, ValueError):
+        return False
 
 
 def _generation_config_of(model_dir: str) -> Any:
