@@ -265,7 +265,9 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
     drafts of 2: the first token comes from the prompt, the next two from draft positions 0 and 1 (or their
     resampling) and the fourth from the bonus token or a later draft. Each prompt's 256 outcomes are compared
     with the target's exact distribution by a chi-square test at significance level 0.001 (seeded). With an
-    EOS token, a row that drew it is padded from there, in the outcomes and in the exact distribution."""
+    EOS token, a row that drew it is padded from there, in the outcomes and in the exact distribution. Each
+    setting moves that exact distribution away from plain sampling's (checked), so a loop that ignored it
+    would be held to the wrong distribution."""
     vocab, rows, new = 4, 2000, 4
     prompts = [torch.tensor([[1, 3, 2, 3]]), torch.tensor([[0, 0, 2, 1]])]  # the second left-padded
     masks = [torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0, 0, 1, 1]])]
@@ -291,6 +293,16 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
     pad, base = (vocab, vocab + 1) if eos is not None else (0, vocab)
     if eos is not None:
         exact = [padded_after(joint, vocab, new, eos) for joint in exact]
+    if sampling != {"temperature": 1.0, "top_k": 0}:  # the setting shapes the distribution the test holds to
+        plain = GenerationConfig(do_sample=True, num_beams=1, top_k=0, eos_token_id=eos)
+        model._prepare_special_tokens(plain, True, "cpu")
+        unset = [exact_continuations(model, p, m, model._get_logits_processor(
+            plain, input_ids_seq_length=p.shape[1], encoder_input_ids=p, model_kwargs={"attention_mask": m}),
+            vocab, new) for p, m in zip(prompts, masks)]
+        if eos is not None:
+            unset = [padded_after(joint, vocab, new, eos) for joint in unset]
+        # Total variation distance from the distribution without it: 0.11-0.95 over these cases.
+        assert max(0.5 * float((a - b).abs().sum()) for a, b in zip(exact, unset)) > 0.1
 
     ids = torch.cat([p.expand(1 if sequences else rows, -1) for p in prompts])
     mask = torch.cat([m.expand(1 if sequences else rows, -1) for m in masks])
