@@ -122,6 +122,26 @@ def test_a_malformed_entry_is_discarded_with_a_log_line(store, caplog, damage):
     assert cli.main(["cache", "info"]) == 0  # and the listing copes
 
 
+def test_a_saving_stored_from_means_is_not_read_and_a_new_one_replaces_it(store):
+    """An earlier version stored ``saved_fraction`` from mean step times (one slow step could pin it at the
+    floor): it is neither read nor kept once this version measures the class."""
+    from hf_accel.runtime.compile_cache import CompileStore
+
+    fp = {"model": "LlamaForCausalLM", "kind": "LlamaDecoderLayer"}
+    compile_store = CompileStore()
+    compile_store.code_directory.mkdir(parents=True)
+    compile_store.record(fp, SHAPE, 3.0, warm=False)
+    index = json.loads((store / "index.json").read_text())
+    for entry in index["entries"].values():
+        entry["saved_fraction"] = 0.05
+    (store / "index.json").write_text(json.dumps(index))
+    assert compile_store.lookup(fp, SHAPE).saved_fraction is None
+    compile_store.record_saving(fp, SHAPE, 0.3)
+    (entry,) = entries(store).values()
+    assert "saved_fraction" not in entry and entry["median_saving"] == 0.3
+    assert compile_store.lookup(fp, SHAPE).saved_fraction == 0.3
+
+
 def test_a_corrupt_index_is_discarded_with_a_log_line(store, caplog):
     generate_patched(**AT_ONCE)
     (store / "index.json").write_text("{ not json")

@@ -17,6 +17,7 @@ import torch
 from conftest import VOCAB, left_padded_batch, make_tiny_model, word_tokenizer
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation import stopping_criteria
+from transformers.generation.configuration_utils import SynthIDTextWatermarkingConfig, WatermarkingConfig
 from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
@@ -49,6 +50,7 @@ CASES = {
     "prefix_allowed_tokens_fn": lambda ref, n: {
         "prefix_allowed_tokens_fn": lambda row, ids: list(range(3 + 100 * row, 103 + 100 * row))},
     "max_time": lambda ref, n: {"max_time": 1e-9},  # stops after the first token, as stock does
+    "watermarking_config": lambda ref, n: {"watermarking_config": WatermarkingConfig(bias=4.0, context_width=2)},
     "several": lambda ref, n: {"repetition_penalty": 1.2, "no_repeat_ngram_size": 3, "min_new_tokens": 6,
                                "eos_token_id": int(ref[0, n + 1])},
 }
@@ -361,25 +363,43 @@ def test_stop_strings_end_each_row_where_stock_ends_it(drafter):
     assert details["fallbacks_to_stock"] == 0 and details["drafted"] > 0
 
 
-@pytest.mark.parametrize("eos", ["the model's", "none"])
+@pytest.mark.parametrize("eos", ["the model's", "none", "one row's early token"])
 def test_max_time_ends_every_row_at_one_step_with_stocks_tokens(llama, monkeypatch, eos):
     """``max_time`` on a clock that moves one second per reading, asked once per step as stock asks it: the
     call ends early, mid-loop, and every row holds stock's tokens up to one length (stock's step when its time
-    ran out), though the rows had gained different numbers of tokens per step. Without an EOS token too: no
-    row ends before the others, so none needs padding."""
-    if eos == "none":
-        llama.generation_config.eos_token_id = None
+    ran out), though the rows had gained different numbers of tokens by then. Without an EOS token too (no row
+    ends before the others, so none needs padding), and with one that ends a row before the cut (padded)."""
     ids, mask = left_padded_batch(llama)
     n, budget = ids.shape[1], 24
-    reference = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=budget, do_sample=False)
+    call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=budget, do_sample=False)
+    if eos == "none":
+        llama.generation_config.eos_token_id = None
+    elif eos == "one row's early token":
+        call["eos_token_id"] = int(llama.generate(**call)[1, n + 1])
+    reference = llama.generate(**call)
     readings = itertools.count()
     monkeypatch.setattr(stopping_criteria, "time", types.SimpleNamespace(time=lambda: float(next(readings))))
     hf_accel.patch(llama, compile=None, speculative="ngram")
-    out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=budget, do_sample=False, max_time=4.0)
+    before = dict(hf_accel.report(llama)["speculative"].details)  # patch's own check ran a call
+    at_the_cut = []
+    check = speculative_loop.SpeculativeLoop._check_deadline
+
+    def recording(loop):
+        lengths = [row.shape[0] for row in loop.rows]
+        check(loop)
+        if [row.shape[0] for row in loop.rows] != lengths:  # the cut shortened a row
+            at_the_cut.append(lengths)
+
+    monkeypatch.setattr(speculative_loop.SpeculativeLoop, "_check_deadline", recording)
+    out = llama.generate(**call, max_time=4.0)
     made = out.shape[1] - n
     assert 2 <= made < budget and torch.equal(out, reference[:, : n + made]), (made, out[:, n:], reference[:, n:])
+    assert len(at_the_cut) == 1 and len(set(at_the_cut[0])) > 1  # the rows were not level: the cut made them so
+    if eos == "one row's early token":
+        assert (out[1, n + 2:] == llama.generation_config.pad_token_id).all()
     details = hf_accel.report(llama)["speculative"].details
-    assert details["fallbacks_to_stock"] == 0 and details["accepted"] > 0
+    assert details["fallbacks_to_stock"] == 0 and details["calls"] == before["calls"] + 1
+    assert details["accepted"] > before["accepted"]
 
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "top-1 sampling"])
@@ -585,6 +605,18 @@ def test_doctor_says_what_it_cannot_read_and_that_encoder_decoders_run_stock(tmp
     assert main(["doctor", "--model", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "encoder-decoder" in out and "leaves speculative decoding on" not in out
+
+
+def test_synthid_watermarking_keeps_state_so_it_runs_stock(llama, caplog):
+    ids, mask = left_padded_batch(llama)
+    kwargs = dict(max_new_tokens=6, do_sample=True, top_k=0,
+                  watermarking_config=SynthIDTextWatermarkingConfig(keys=[7, 11, 13], ngram_len=2))
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert hf_accel.report(llama)["speculative"].details["fallback_reasons"] == {
+        "generation setting watermarking_config (SynthID watermarking keeps state across steps)": 1}
+    assert any("watermarking_config" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
 #: Where each setting the table calls covered is checked against stock, besides ``CASES`` (greedy identity above).

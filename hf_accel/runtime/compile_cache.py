@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 #: The index key of a shape class's measured saving: from median step times (an earlier "saved_fraction" came
 #: from means, which one slow step could pin at the floor, and is not read).
 SAVING_KEY = "median_saving"
+
 logger = logging.getLogger(__name__)
 
 FORMAT = 2  # 2: compiled code under compile/code (it was compile/inductor), the compiler in the fingerprint
@@ -181,8 +182,13 @@ class CompileStore:
 
     def record_saving(self, fp: dict[str, Any], shape: Any, fraction: float) -> None:
         """Keep what compiling ``shape`` saved of a decode step here (the shape class must be recorded)."""
-        self._edit_entry(fp, shape, lambda entry: {**entry, SAVING_KEY: fraction}
-                         if _well_formed_entry(entry) else None)
+        def edit(entry: Any) -> dict[str, Any] | None:
+            if not _well_formed_entry(entry):
+                return None
+            kept = {k: v for k, v in entry.items() if k != "saved_fraction"}  # from means, not read any more
+            return {**kept, SAVING_KEY: fraction}
+
+        self._edit_entry(fp, shape, edit)
 
     def _edit_entry(self, fp: dict[str, Any], shape: Any, edit: Callable[[Any], dict[str, Any] | None]) -> None:
         """Replace the index's entry for ``shape`` by ``edit(entry)`` (None: leave it), under the index's lock."""

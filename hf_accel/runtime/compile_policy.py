@@ -97,7 +97,8 @@ class CompilePolicy:
 @dataclass
 class StepTimes:
     """The decode steps of one shape class a process has timed: the latest :data:`KEPT_STEPS` eager ones and
-    the first :data:`KEPT_STEPS` compiled ones, the two ends nearest each other in context length."""
+    the first :data:`KEPT_STEPS` compiled ones, the two ends nearest each other in context length where the
+    compile lands within a call (one at a call's start follows the longest contexts of the call before)."""
 
     eager: deque[float] = field(default_factory=lambda: deque(maxlen=KEPT_STEPS))
     compiled: list[float] = field(default_factory=list)

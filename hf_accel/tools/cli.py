@@ -6,6 +6,7 @@ import argparse
 import logging
 import platform
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -139,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import transformers
 
+    if args.model and not Path(args.model).is_dir():
+        raise CLIError(f"--model {args.model!r} is not a local directory: pass the directory a model was saved or "
+                       "downloaded to (for a Hub id, `hf download ID` prints where)")
     print(f"hf_accel {__version__}  python {platform.python_version()}  torch {torch.__version__}  "
           f"transformers {transformers.__version__}")
     devices = ["cpu"] + [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]
@@ -165,13 +169,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _print_speculation_blockers(model_dir: str) -> None:
-    from pathlib import Path
-
     from hf_accel.runtime.speculative.settings import batch_blocking_settings, blocking_settings
 
-    if not Path(model_dir).is_dir():
-        raise CLIError(f"--model {model_dir!r} is not a local directory: pass the directory a model was saved or "
-                       "downloaded to (for a Hub id, `huggingface-cli download ID` prints where)")
     if _is_encoder_decoder(model_dir):
         print(f"{model_dir}: an encoder-decoder model: every generate call runs without speculation (the loop "
               "drafts for decoder-only models only)")
@@ -201,8 +200,6 @@ def _is_encoder_decoder(model_dir: str) -> bool:
 def _generation_config_of(model_dir: str) -> Any:
     """The generation config ``from_pretrained`` gives the model: its ``generation_config.json``, else the
     generation settings of its ``config.json`` (older checkpoints keep them there)."""
-    from pathlib import Path
-
     from transformers import AutoConfig, GenerationConfig
 
     if (Path(model_dir) / "generation_config.json").is_file():

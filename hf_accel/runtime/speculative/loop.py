@@ -310,13 +310,16 @@ class SpeculativeLoop:
     def _check_deadline(self) -> None:
         """Stock asks ``max_time`` after each step for the whole batch, so every row still running ends at the
         same length; here rows gain different numbers of tokens per step, so once the time is up every row is
-        cut to the shortest running row's length: what stock returns when its time runs out at that step."""
+        cut to the shortest running row's length: with greedy decoding, what stock returns when its time runs out
+        at that step (with sampling the length also depends on the tokens drawn). ``stats.accepted`` keeps the
+        drafts verified before the cut; ``stats.generated`` counts only the tokens returned."""
         if self.deadline is None or bool(self.finished.all()):
             return
         if not bool(self.deadline(self.rows[0][None], None).any()):  # the same answer for every row
             return
         length = min(row.shape[0] for row, done in zip(self.rows, self.finished.tolist()) if not done)
         for b in range(len(self.rows)):
+            self.stats.generated -= max(self.rows[b].shape[0] - length, 0)
             self.rows[b] = self.rows[b][:length]
             del self.scores[b][length - self.prompt_length:], self.logits[b][length - self.prompt_length:]
         self.finished[:] = True
@@ -342,11 +345,12 @@ class SpeculativeLoop:
 
 def split_deadline(
         stopping: StoppingCriteriaList | None) -> tuple[StoppingCriteriaList | None, StoppingCriteriaList | None]:
-    """``stopping`` without its ``max_time`` criteria, and those criteria (None where there are none)."""
+    """``stopping`` without its ``max_time`` criteria (transformers' own class: a subclass may do more), and
+    those criteria (None where there are none)."""
     if not stopping:
         return stopping, None
-    timed = [c for c in stopping if isinstance(c, MaxTimeCriteria)]
-    rest = StoppingCriteriaList([c for c in stopping if not isinstance(c, MaxTimeCriteria)])
+    timed = [c for c in stopping if type(c) is MaxTimeCriteria]
+    rest = StoppingCriteriaList([c for c in stopping if type(c) is not MaxTimeCriteria])
     return rest, StoppingCriteriaList(timed) if timed else None
 
 

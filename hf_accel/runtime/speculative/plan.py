@@ -131,7 +131,7 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         _row_processors(model, row_config, input_ids, attention_mask, b, b // config.num_return_sequences,
                         {**extra, **users}) for b in range(len(input_ids))]
     # Stock's criteria (lengths, EOS, stop strings, time) merged with the user's as stock merges them; the loop
-    # checks them per row after each token.
+    # checks them per row after each token, but the time once per step for the whole batch, as stock does.
     stopping = model._get_stopping_criteria(config, StoppingCriteriaList(extra["stopping_criteria"] or []),
                                             tokenizer=extra["tokenizer"])
     return CallPlan(input_ids, attention_mask, config, processors, draft_processors, stopping, extra["streamer"],
