@@ -16,7 +16,6 @@ from transformers import (
     LogitsProcessorList,
     StoppingCriteria,
 )
-from transformers.generation.configuration_utils import WatermarkingConfig
 
 import hf_accel
 from hf_accel import Backend, hookimpl
@@ -253,8 +252,6 @@ def padded_after(joint: torch.Tensor, vocab: int, n: int, eos: int) -> torch.Ten
                                       {"exponential_decay_length_penalty": (1, 2.0), "eos_token_id": 3, "top_k": 0},
                                       {"encoder_repetition_penalty": 2.0, "top_k": 0},
                                       {"encoder_no_repeat_ngram_size": 2, "top_k": 0},
-                                      {"watermarking_config": WatermarkingConfig(bias=1.5, greenlist_ratio=0.5,
-                                                                                 context_width=1), "top_k": 0},
                                       {"forced_eos_token_id": 2, "max_length": 8, "top_k": 0},
                                       {"prefix_allowed_tokens_fn": lambda batch_id, ids: [t for t in range(4)
                                                                                           if t != int(ids[-1])],
@@ -262,8 +259,7 @@ def padded_after(joint: torch.Tensor, vocab: int, n: int, eos: int) -> torch.Ten
                          ids=["plain", "temperature-topk", "top-p", "bad-words", "min-p", "typical-p", "top-h",
                               "epsilon", "eta", "repetition-penalty", "no-repeat-ngram", "suppress", "sequence-bias",
                               "num-return-sequences", "min-new-tokens", "min-length", "length-penalty",
-                              "encoder-repetition-penalty", "encoder-no-repeat-ngram", "watermark", "forced-eos",
-                              "allowed-tokens"])
+                              "encoder-repetition-penalty", "encoder-no-repeat-ngram", "forced-eos", "allowed-tokens"])
 def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token(sampling, monkeypatch):
     """A left-padded batch of two prompts, 2000 rows each, samples 4 tokens from a 4-token vocabulary with
     drafts of 2: the first token comes from the prompt, the next two from draft positions 0 and 1 (or their

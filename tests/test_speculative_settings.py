@@ -17,7 +17,6 @@ import torch
 from conftest import VOCAB, left_padded_batch, make_tiny_model, word_tokenizer
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation import stopping_criteria
-from transformers.generation.configuration_utils import SynthIDTextWatermarkingConfig, WatermarkingConfig
 from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
@@ -50,7 +49,6 @@ CASES = {
     "prefix_allowed_tokens_fn": lambda ref, n: {
         "prefix_allowed_tokens_fn": lambda row, ids: list(range(3 + 100 * row, 103 + 100 * row))},
     "max_time": lambda ref, n: {"max_time": 1e-9},  # stops after the first token, as stock does
-    "watermarking_config": lambda ref, n: {"watermarking_config": WatermarkingConfig(bias=4.0, context_width=2)},
     "several": lambda ref, n: {"repetition_penalty": 1.2, "no_repeat_ngram_size": 3, "min_new_tokens": 6,
                                "eos_token_id": int(ref[0, n + 1])},
 }
@@ -605,18 +603,6 @@ def test_doctor_says_what_it_cannot_read_and_that_encoder_decoders_run_stock(tmp
     assert main(["doctor", "--model", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "encoder-decoder" in out and "leaves speculative decoding on" not in out
-
-
-def test_synthid_watermarking_keeps_state_so_it_runs_stock(llama, caplog):
-    ids, mask = left_padded_batch(llama)
-    kwargs = dict(max_new_tokens=6, do_sample=True, top_k=0,
-                  watermarking_config=SynthIDTextWatermarkingConfig(keys=[7, 11, 13], ngram_len=2))
-    hf_accel.patch(llama, compile=None, speculative="ngram")
-    with caplog.at_level(logging.WARNING, logger="hf_accel"):
-        llama.generate(input_ids=ids, attention_mask=mask, **kwargs)
-    assert hf_accel.report(llama)["speculative"].details["fallback_reasons"] == {
-        "generation setting watermarking_config (SynthID watermarking keeps state across steps)": 1}
-    assert any("watermarking_config" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
 #: Where each setting the table calls covered is checked against stock, besides ``CASES`` (greedy identity above).

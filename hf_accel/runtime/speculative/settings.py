@@ -5,13 +5,12 @@ The loop builds its logits processors and stopping criteria with ``generate``'s 
 at every verified position with that position's prefix, so every processor that is a function of the prefix
 is covered, for greedy and sampling alike. What remains for stock ``generate``: other decoding strategies
 (beams, contrastive, DoLa, constraints), settings whose processor keeps state across steps (guidance,
-SynthID watermarking), and outputs the loop does not compute.
+watermarking), and outputs the loop does not compute.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from transformers import GenerationConfig
@@ -80,9 +79,8 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "force_words_ids": (FALLBACK, "constrained beam search"),
     "low_memory": (NO_EFFECT, "beam and contrastive search only"),
     "guidance_scale": (FALLBACK, "classifier-free guidance runs a second, unconditional pass with its own state"),
-    "watermarking_config": (COVERED, "a WatermarkingConfig: green lists seeded from the prefix, applied per "
-                                     "position; a SynthIDTextWatermarkingConfig keeps state across steps and "
-                                     "runs stock"),
+    "watermarking_config": (FALLBACK, "SynthID's processor keeps state across steps; a WatermarkingConfig's is a "
+                                      "function of the prefix, but each per-row copy builds an 8 MB table"),
     "token_healing": (FALLBACK, "rewrites the prompt"),
     # transformers' own assisted / speculative decoding
     "prompt_lookup_num_tokens": (FALLBACK, "transformers' own prompt-lookup decoding was asked for"),
@@ -143,22 +141,9 @@ def blocking_settings(config: GenerationConfig) -> list[BlockingSetting]:
         unknown = (FALLBACK, "a setting this version of hf_accel does not know") if key in fields else (
             NO_EFFECT, "not a transformers setting")  # a model card's own entry: generate ignores it
         status, why = SETTINGS.get(key, unknown)
-        if status == COVERED and key in BLOCKING_VALUES:
-            status, why = FALLBACK, BLOCKING_VALUES[key](getattr(config, key))
-        if status == FALLBACK and why:
+        if status == FALLBACK:
             found.append(BlockingSetting(key, value, why))
     return found
-
-
-def _synthid(watermarking: Any) -> str:
-    from transformers.generation.configuration_utils import SynthIDTextWatermarkingConfig
-
-    return ("SynthID watermarking keeps state across steps" if isinstance(watermarking, SynthIDTextWatermarkingConfig)
-            else "")
-
-
-#: Covered settings with values the loop cannot reproduce: given the value, why ("" where it can).
-BLOCKING_VALUES: dict[str, Callable[[Any], str]] = {"watermarking_config": _synthid}
 
 
 def returns_scores(config: GenerationConfig) -> bool:
