@@ -29,6 +29,13 @@ from hf_accel.runtime.speculative import loop as speculative_loop
 from hf_accel.runtime.speculative.processing import RowProcessors
 from hf_accel.runtime.speculative.settings import SETTINGS, blocking_settings, known_fields, settings_table
 
+
+def one_word_per_token():
+    """A tokenizer with one word per token id of the tiny models (w4 ... w511 by their ids), after the word
+    stock's stop-string matcher probes every tokenizer with."""
+    return word_tokenizer(["abcdef"] + [f"w{i}" for i in range(4, VOCAB)])
+
+
 #: Per covered setting, generate arguments made from a reference greedy run (so that they bite on its tokens).
 CASES = {
     "repetition_penalty": lambda ref, n: {"repetition_penalty": 1.3},
@@ -223,7 +230,7 @@ def test_rows_a_stop_string_ends_without_an_eos_token_run_stock(llama):
     ended, which the loop does not do."""
     llama.generation_config.eos_token_id = None
     ids, mask = left_padded_batch(llama)
-    tokenizer = word_tokenizer(["abcdef"] + [f"w{i}" for i in range(4, VOCAB)])
+    tokenizer = one_word_per_token()
     hf_accel.patch(llama, compile=None, speculative="ngram")
     llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, stop_strings=["w9"],
                    tokenizer=tokenizer)
@@ -338,9 +345,7 @@ def test_stop_strings_end_each_row_where_stock_ends_it(drafter):
     """Two stop strings taken from the reference output, so that two rows stop at different lengths (one on a
     drafted token, one on a string that spans two tokens) and the third runs to its budget; the rows that
     stopped are padded as stock pads them."""
-    # One word per token id of the tiny models (w4 ... w511 by their ids), after the word stock's stop-string
-    # matcher probes every tokenizer with.
-    tokenizer = word_tokenizer(["abcdef"] + [f"w{i}" for i in range(4, VOCAB)])
+    tokenizer = one_word_per_token()
     model = make_tiny_model("llama")
     ids, mask = left_padded_batch(model)
     n = ids.shape[1]
@@ -482,7 +487,7 @@ THREE_ROWS, ONE_PROMPT = (7, 3, 5), (5,)
 @pytest.mark.parametrize("call, remedy, lengths", [
     ({"output_scores": True, "return_dict_in_generate": True}, "call generate with one row at a time, or without",
      THREE_ROWS),
-    ({"stop_strings": ["w9"], "tokenizer": word_tokenizer(["abcdef"] + [f"w{i}" for i in range(4, VOCAB)]),
+    ({"stop_strings": ["w9"], "tokenizer": one_word_per_token(),
       "eos_token_id": []}, "eos_token_id", THREE_ROWS),
     ({"logits_processor": LogitsProcessorList([Recorder(5)])}, "call generate with one row at a time", THREE_ROWS),
     # One prompt made rows by num_return_sequences: "one row at a time" would not help.
