@@ -126,22 +126,44 @@ def test_the_default_patch_runs_its_first_calls_eagerly_and_identically(smollm2,
         hf_accel.unpatch(model)
 
 
-def test_speculation_on_a_quantized_model_is_lossless_for_that_model(smollm2):
+#: How far apart two right ways of computing the int8 model put a logit: its layers round their activations to
+#: bf16, so a chunk of 4 tokens and 4 one-token steps of the plain model (no patch of its attention or cache)
+#: differed by up to 0.55 logits on an AVX-512 machine with AMX, against 3e-5 in fp32.
+INT8_ROUNDING = 1.0
+
+
+def test_speculation_on_a_quantized_model_gives_that_models_tokens_up_to_its_rounding(smollm2):
+    """The loop verifies chunks where the model alone decodes one token at a time, and bf16 activations round
+    the two differently: outputs agree until a near-tie of the reference, and then the loop's token is one the
+    reference scored within its rounding of its best. A loop that scored the wrong positions, or kept a draft
+    the target did not pick, is off by far more."""
     model, tokenizer = smollm2
     inputs = [encode_chat(tokenizer, p.prompt) for p in first_of_each_category()[2:]]
+    scored = dict(max_new_tokens=48, do_sample=False, output_scores=True, return_dict_in_generate=True)
     # the reference runs eagerly, as the loop does: a compiled graph rounds bf16 activations its own way
     hf_accel.patch(model, quantize="int8", keep_original=True, speculative=None, compile=None)
     try:
-        expected = [greedy(model, x, 48) for x in inputs]
+        expected = [model.generate(**x, **scored) for x in inputs]
     finally:
         hf_accel.unpatch(model)
     hf_accel.patch(model, quantize="int8", keep_original=True)
     try:
+        outputs = [model.generate(**x, **scored) for x in inputs]
+        details = hf_accel.report(model)["speculative"].details
         assert hf_accel.report(model)["speculative"].backend == "ngram"
-        for x, want in zip(inputs, expected):
-            assert torch.equal(greedy(model, x, 48), want)
+        assert details["fallbacks_to_stock"] == 0 and details["accepted"] > 0
     finally:
         hf_accel.unpatch(model)
+    for x, want, got in zip(inputs, expected, outputs):
+        start = x["input_ids"].shape[1]
+        new, reference = got.sequences[0, start:], want.sequences[0, start:]
+        differ = (new != reference).nonzero()
+        shared = int(differ[0]) if differ.numel() else new.numel()
+        for j in range(shared + (shared < new.numel())):
+            assert (got.scores[j] - want.scores[j]).abs().max() < INT8_ROUNDING, f"position {j}"
+        if shared < new.numel():  # a near-tie: the loop's token scored within rounding of the reference's
+            theirs, ours = want.scores[shared][0], int(new[shared])
+            assert theirs.max() - theirs[ours] < INT8_ROUNDING, f"position {shared}"
 
 
 def test_the_example_script_runs_on_a_model_directory(smollm2):
