@@ -28,6 +28,7 @@ import hf_accel
 from hf_accel.runtime.speculative import loop as speculative_loop
 from hf_accel.runtime.speculative.processing import RowProcessors
 from hf_accel.runtime.speculative.settings import SETTINGS, blocking_settings, known_fields, settings_table
+from hf_accel_plugins.drafters import ModelDrafter
 
 
 def one_word_per_token():
@@ -61,9 +62,37 @@ CASES = {
 }
 
 
+def recorded_proposals(monkeypatch) -> list[tuple[int, int, list[int]]]:
+    """Every proposal of a :class:`ModelDrafter` from now on: (row, where its draft starts, the drafted tokens),
+    for the rows still running."""
+    proposals = []
+    propose = ModelDrafter.propose
+
+    def recording(drafter, loop, k):
+        draft = propose(drafter, loop, k)
+        proposals.extend((b, row.numel(), draft.tokens[b, : int(draft.lengths[b])].tolist())
+                         for b, row in enumerate(loop.rows) if not bool(loop.finished[b]))
+        return draft
+
+    monkeypatch.setattr(ModelDrafter, "propose", recording)
+    return proposals
+
+
+def drafted_tokens_stock_made(proposals, expected: torch.Tensor, prompt_length: int, eos: set[int]) -> int:
+    """Asserts that every drafted token inside a row's output is the one ``expected`` holds there; how many were."""
+    checked = 0
+    for b, start, tokens in proposals:
+        made = expected[b, prompt_length:].tolist()
+        end = prompt_length + next((i + 1 for i, t in enumerate(made) if t in eos), len(made))
+        for j, token in enumerate(tokens[: max(end - start, 0)]):
+            assert token == int(expected[b, start + j]), (b, start + j, token, expected[b, prompt_length:end])
+            checked += 1
+    return checked
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_each_covered_setting_gives_stocks_tokens_with_speculation(case, drafter):
+def test_each_covered_setting_gives_stocks_tokens_with_speculation(case, drafter, monkeypatch):
     model = make_tiny_model("llama")
     ids, mask = left_padded_batch(model)
     n = ids.shape[1]
@@ -74,17 +103,23 @@ def test_each_covered_setting_gives_stocks_tokens_with_speculation(case, drafter
     # The setting itself changes stock's output (against the same call with only its EOS): identity is not trivial.
     same_eos = {k: v for k, v in kwargs.items() if k in ("max_new_tokens", "do_sample", "eos_token_id")}
     assert not torch.equal(expected, model.generate(input_ids=ids, attention_mask=mask, **same_eos))
-    # A draft model with the target's weights: its drafts pass the same processors, so most are kept.
     speculative = make_tiny_model("llama") if drafter == "draft_model" else "ngram"
     hf_accel.patch(model, compile=None, speculative=speculative)
     before = dict(hf_accel.report(model)["speculative"].details)  # patch's own check ran a call
+    proposals = recorded_proposals(monkeypatch)
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
     details = hf_accel.report(model)["speculative"].details
     assert details["fallbacks_to_stock"] == 0 and details["calls"] == before["calls"] + 1
-    if case != "max_time":  # which stops every row at its first token, before any draft
-        assert details["drafted"] > before["drafted"]
-    if drafter == "draft_model" and case != "max_time":
-        assert details["accepted"] > before["accepted"]
+    if case == "max_time":  # which stops every row at its first token, before any draft
+        return
+    assert details["drafted"] > before["drafted"]
+    # The user's prefix_allowed_tokens_fn is asked only about the prefixes stock asks about, so drafts skip it.
+    if drafter == "draft_model" and case != "prefix_allowed_tokens_fn":
+        # A draft model with the target's weights whose logits pass the same processors drafts, inside each
+        # row's output, exactly stock's tokens: one that skipped a processor would draft what it bans.
+        eos = kwargs.get("eos_token_id", model.generation_config.eos_token_id)
+        eos = set(eos if isinstance(eos, list) else [eos])
+        assert drafted_tokens_stock_made(proposals, expected, n, eos) >= 8
 
 
 def test_a_model_cards_settings_apply_and_the_calls_own_override_them(llama):
@@ -448,19 +483,24 @@ def test_stop_strings_without_a_tokenizer_fail_as_in_stock(llama):
 
 
 @pytest.mark.parametrize("strict", [False, True])
-@pytest.mark.parametrize("call, match", [
-    ({"max_length": 3}, "max_length"),  # 7 wide: max_length 3 leaves nothing to generate
-    ({"max_new_token": 4}, "max_new_token"),  # misspelt
-    ({"inputs": "the ids"}, "inputs"),  # the token ids twice
-], ids=["nothing-to-generate", "misspelt", "inputs-twice"])
-def test_a_call_stock_refuses_gets_stocks_error_without_a_warning(llama, caplog, strict, call, match):
+@pytest.mark.parametrize("positional, call, match", [
+    ((), {"max_length": 3}, "max_length"),  # 7 wide: max_length 3 leaves nothing to generate
+    ((), {"max_new_token": 4}, "max_new_token"),  # misspelt
+    ((), {"inputs": "the ids"}, "inputs"),  # the token ids twice
+    (("the ids",), {"inputs": "the ids"}, "multiple values"),  # both positionally and by name
+    (("the ids",) + (None,) * 11, {}, "positional argument"),  # more than generate's signature has
+], ids=["nothing-to-generate", "misspelt", "inputs-twice", "positional-and-named", "too-many-positional"])
+def test_a_call_stock_refuses_gets_stocks_error_without_a_warning(llama, caplog, strict, positional, call, match):
     ids, mask = left_padded_batch(llama)
+    positional = tuple(ids if v == "the ids" else v for v in positional)
     call = {k: ids if v == "the ids" else v for k, v in call.items()}
-    with pytest.raises(ValueError, match=match) as stock_error:
-        llama.generate(input_ids=ids, attention_mask=mask, do_sample=False, **call)
+    if not positional:
+        call["input_ids"] = ids
+    with pytest.raises((ValueError, TypeError), match=match) as stock_error:
+        llama.generate(*positional, attention_mask=mask, do_sample=False, **call)
     hf_accel.patch(llama, compile=None, speculative="ngram", strict=strict)
-    with caplog.at_level(logging.WARNING, logger="hf_accel"), pytest.raises(ValueError) as patched_error:
-        llama.generate(input_ids=ids, attention_mask=mask, do_sample=False, **call)
+    with caplog.at_level(logging.WARNING, logger="hf_accel"), pytest.raises((ValueError, TypeError)) as patched_error:
+        llama.generate(*positional, attention_mask=mask, do_sample=False, **call)
     assert type(patched_error.value) is type(stock_error.value)
     assert str(patched_error.value) == str(stock_error.value)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -629,7 +669,6 @@ COVERED_BY = {
     "output_scores": "test_speculative.py::test_generate_features_pass_through_unchanged",
     "output_logits": "test_speculative.py::test_generate_features_pass_through_unchanged",
     "return_dict_in_generate": "test_speculative.py::test_generate_features_pass_through_unchanged",
-    "use_cache": "test_settings_that_do_nothing_do_not_turn_speculation_off",
 }
 
 

@@ -59,7 +59,8 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
     """Read a ``generate`` call as stock would; a :class:`Fallback` says why the loop cannot run it exactly."""
     named = dict(zip(_GENERATE_ARGS, args))
     if len(args) > len(_GENERATE_ARGS) or set(named) & set(kwargs):
-        return Fallback("positional arguments beyond generate's signature", "pass generate's arguments by name")
+        return Fallback("positional arguments beyond generate's signature (stock generate raises for them)",
+                        "pass generate's arguments by name", stock_raises=True)
     named.update(kwargs)
     named.pop("trust_remote_code", None)  # stock's too: it only lets custom_generate load code (not covered)
     for name in _NOT_COVERED:
