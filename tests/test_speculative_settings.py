@@ -521,6 +521,16 @@ def test_a_fallback_warns_once_per_reason_and_is_counted(llama, caplog):
         "generation setting num_beams (beam search)": 3}  # one reason per setting, whatever its value
 
 
+def test_a_fallback_names_every_setting_that_blocks_the_call(llama, caplog):
+    ids, mask = left_padded_batch(llama, (5,))
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    llama.generation_config.guidance_scale = 1.5  # a model card's, beside the call's own
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, do_sample=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "drop num_beams=2, guidance_scale=1.5 from the call" in warnings[0], warnings
+
+
 THREE_ROWS, ONE_PROMPT = (7, 3, 5), (5,)
 
 

@@ -172,9 +172,10 @@ def unsupported_setting(model: Any, config: GenerationConfig, model_kwargs: dict
     """What in a call the loop cannot reproduce exactly (see :mod:`hf_accel.runtime.speculative.settings`), or None."""
     blocking = blocking_settings(config)
     if blocking:
-        key, value, why = blocking[0]  # counted per setting, whatever its value
+        key, _, why = blocking[0]  # counted by the first setting, whatever its value
+        every = ", ".join(f"{k}={v!r}" for k, v, _ in blocking)  # all at once: dropping one must not reveal another
         return Fallback(f"generation setting {key} ({why})",
-                        f"drop {key}={value!r} from the call (or from the model's generation_config)")
+                        f"drop {every} from the call (or from the model's generation_config)")
     extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_INPUTS and v is not None)
     if not extra:
         return None
