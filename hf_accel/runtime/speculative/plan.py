@@ -4,6 +4,9 @@ processors, the stopping criteria, the token budget), or why it cannot."""
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +19,15 @@ from hf_accel.runtime.speculative.settings import blocking_settings, returns_sco
 
 #: Model inputs a call may pass besides the token ids (anything else falls back to stock generate).
 _MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "logits_to_keep"})
-_GENERATE_ARGS = ("inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
-                  "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
-                  "negative_prompt_attention_mask", "custom_generate")
+
+
+@functools.cache
+def _positional_names(model_class: type) -> tuple[str, ...]:
+    """The parameters of the class's ``generate`` a call may pass by position, in order (``self`` left out): read
+    from the signature, as they differ between transformers versions and a model class may override it."""
+    parameters = inspect.signature(model_class.generate).parameters.values()
+    by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in by_position)[1:]
 
 
 @dataclass(frozen=True)
@@ -57,8 +66,9 @@ class CallPlan:
 
 def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallPlan | Fallback:
     """Read a ``generate`` call as stock would; a :class:`Fallback` says why the loop cannot run it exactly."""
-    named = dict(zip(_GENERATE_ARGS, args))
-    if len(args) > len(_GENERATE_ARGS) or set(named) & set(kwargs):
+    positional = _positional_names(type(model))
+    named = dict(zip(positional, args))
+    if len(args) > len(positional) or set(named) & set(kwargs):
         return Fallback("positional arguments beyond generate's signature (stock generate raises for them)",
                         "pass generate's arguments by name", stock_raises=True)
     named.update(kwargs)
@@ -173,7 +183,7 @@ def unsupported_setting(model: Any, config: GenerationConfig, model_kwargs: dict
     blocking = blocking_settings(config)
     if blocking:
         key, _, why = blocking[0]  # counted by the first setting, whatever its value
-        every = ", ".join(f"{k}={v!r}" for k, v, _ in blocking)  # all at once: dropping one must not reveal another
+        every = ", ".join(f"{k}={_short(v)}" for k, v, _ in blocking)  # dropping one must not reveal another
         return Fallback(f"generation setting {key} ({why})",
                         f"drop {every} from the call (or from the model's generation_config)")
     extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_INPUTS and v is not None)
@@ -183,6 +193,14 @@ def unsupported_setting(model: Any, config: GenerationConfig, model_kwargs: dict
         return _STOCK_RAISES_FOR_MODEL_KWARGS
     return Fallback(f"generate argument {extra[0]!r}",
                     f"the loop reads token ids only: drop {extra[0]}= where the model does not need it")
+
+
+def _short(value: Any) -> str:
+    """A setting's value as a warning shows it: a model card's long list cut short."""
+    shortened = reprlib.Repr()
+    shortened.maxlist = shortened.maxdict = shortened.maxtuple = 4
+    shortened.maxstring = shortened.maxother = 40
+    return shortened.repr(value)
 
 
 #: Deprecated names of ``cache`` that stock's ``generate`` renames before it checks the other arguments.

@@ -96,7 +96,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "speculation_type": (FALLBACK, "transformers' own speculation was asked for"),
     "use_mtp": (FALLBACK, "multi-token prediction heads"),
     # caches and compilation
-    "use_cache": (NO_EFFECT, "the same tokens with or without a cache; the loop always caches"),
+    "use_cache": (NO_EFFECT, "whether stock caches or recomputes; the loop always caches"),
     "cache_implementation": (FALLBACK, "a cache implementation of the call's own"),
     "cache_config": (FALLBACK, "a cache configuration of the call's own"),
     "max_cache_len": (FALLBACK, "a cache size of the call's own"),
