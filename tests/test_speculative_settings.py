@@ -86,12 +86,12 @@ def recorded_proposals(monkeypatch) -> list[tuple[int, int, list[int]]]:
 
 def drafted_tokens_stock_made(proposals, expected: torch.Tensor, prompt_length: int, eos: set[int]) -> int:
     """Asserts that every drafted token inside a row's output is the one ``expected`` holds there; how many were."""
+    made = [row[prompt_length:].tolist() for row in expected]
+    ends = [prompt_length + next((i + 1 for i, t in enumerate(row) if t in eos), len(row)) for row in made]
     checked = 0
     for b, start, tokens in proposals:
-        made = expected[b, prompt_length:].tolist()
-        end = prompt_length + next((i + 1 for i, t in enumerate(made) if t in eos), len(made))
-        for j, token in enumerate(tokens[: max(end - start, 0)]):
-            assert token == int(expected[b, start + j]), (b, start + j, token, expected[b, prompt_length:end])
+        for j, token in enumerate(tokens[: max(ends[b] - start, 0)]):
+            assert token == int(expected[b, start + j]), (b, start + j, token, expected[b, prompt_length:ends[b]])
             checked += 1
     return checked
 
