@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
 
 import hf_accel
 from hf_accel.runtime.speculative import loop as speculative_loop
-from hf_accel.runtime.speculative.plan import unsupported_setting
+from hf_accel.runtime.speculative.plan import _GENERATE_ARGS, unsupported_setting
 from hf_accel.runtime.speculative.processing import RowProcessors
 from hf_accel.runtime.speculative.settings import SETTINGS, blocking_settings, known_fields, settings_table
 from hf_accel_plugins.drafters import ModelDrafter
@@ -61,11 +61,6 @@ CASES = {
     "several": lambda ref, n: {"repetition_penalty": 1.2, "no_repeat_ngram_size": 3, "min_new_tokens": 6,
                                "eos_token_id": int(ref[0, n + 1])},
 }
-
-
-#: Cases whose setting never reaches a draft: the first new token (the target's, from the prompt) is the only one
-#: they act on, or the user's prefix_allowed_tokens_fn, asked only about the prefixes stock asks about.
-DRAFTS_UNTOUCHED = ("begin_suppress_tokens", "min_new_tokens over min_length", "prefix_allowed_tokens_fn")
 
 
 def recorded_proposals(monkeypatch) -> list[tuple[int, int, list[int]]]:
@@ -119,7 +114,8 @@ def test_each_covered_setting_gives_stocks_tokens_with_speculation(case, drafter
     if case == "max_time":  # which stops every row at its first token, before any draft
         return
     assert details["drafted"] > before["drafted"]
-    if drafter == "draft_model" and case not in DRAFTS_UNTOUCHED:
+    # The user's prefix_allowed_tokens_fn is asked only about the prefixes stock asks about: drafts skip it.
+    if drafter == "draft_model" and case != "prefix_allowed_tokens_fn":
         # A draft model with the target's weights whose logits pass the same processors drafts, inside each
         # row's output, exactly stock's tokens; one that skipped the processors failed 12 of these cases.
         eos = kwargs.get("eos_token_id", model.generation_config.eos_token_id)
@@ -493,7 +489,7 @@ def test_stop_strings_without_a_tokenizer_fail_as_in_stock(llama):
     ((), {"max_new_token": 4}, "max_new_token"),  # misspelt
     ((), {"inputs": "the ids"}, "inputs"),  # the token ids twice
     (("the ids",), {"inputs": "the ids"}, "multiple values"),  # both positionally and by name
-    (("the ids",) + (None,) * 11, {}, "positional argument"),  # more than generate's signature has
+    (("the ids",) + (None,) * (len(_GENERATE_ARGS) - 1) + ("one more",), {}, "positional argument"),  # too many
 ], ids=["nothing-to-generate", "misspelt", "inputs-twice", "positional-and-named", "too-many-positional"])
 def test_a_call_stock_refuses_gets_stocks_error_without_a_warning(llama, caplog, strict, positional, call, match):
     ids, mask = left_padded_batch(llama)
@@ -508,6 +504,26 @@ def test_a_call_stock_refuses_gets_stocks_error_without_a_warning(llama, caplog,
         llama.generate(*positional, attention_mask=mask, do_sample=False, **call)
     assert type(patched_error.value) is type(stock_error.value)
     assert str(patched_error.value) == str(stock_error.value)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_model_class_with_its_own_generate_keeps_speculation_for_positional_ids(llama, caplog):
+    """A class's generate(self, *args, **kwargs) over stock's (as some model classes and remote code have): the
+    token ids passed by position are still read as stock's ``inputs``."""
+    ids, mask = left_padded_batch(llama)
+    expected = llama.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+
+    class OwnGenerate(type(llama)):
+        def generate(self, *args, **kwargs):
+            return super().generate(*args, **kwargs)
+
+    llama.__class__ = OwnGenerate
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    before = dict(hf_accel.report(llama)["speculative"].details)
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        assert torch.equal(llama.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False), expected)
+    details = hf_accel.report(llama)["speculative"].details
+    assert details["fallbacks_to_stock"] == before["fallbacks_to_stock"] and details["calls"] == before["calls"] + 1
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 

@@ -4,14 +4,13 @@ processors, the stopping criteria, the token budget), or why it cannot."""
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import reprlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
 
 from hf_accel.runtime.generation import generated_length
 from hf_accel.runtime.speculative.processing import RowProcessors
@@ -19,15 +18,10 @@ from hf_accel.runtime.speculative.settings import blocking_settings, returns_sco
 
 #: Model inputs a call may pass besides the token ids (anything else falls back to stock generate).
 _MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "logits_to_keep"})
-
-
-@functools.cache
-def _positional_names(model_class: type) -> tuple[str, ...]:
-    """The parameters of the class's ``generate`` a call may pass by position, in order (``self`` left out): read
-    from the signature, as they differ between transformers versions and a model class may override it."""
-    parameters = inspect.signature(model_class.generate).parameters.values()
-    by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in parameters if p.kind in by_position)[1:]
+#: Stock generate's parameters a call may pass by position, in order (``self`` left out), as this transformers
+#: version declares them: the loop reads a call as stock's generate would.
+_GENERATE_ARGS = tuple(p.name for p in inspect.signature(GenerationMixin.generate).parameters.values()
+                       if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)[1:]
 
 
 @dataclass(frozen=True)
@@ -46,6 +40,10 @@ _STOCK_RAISES_FOR_SEQUENCES = Fallback("num_return_sequences > 1 without samplin
                                        "sample (do_sample=True) for several sequences per prompt", stock_raises=True)
 _STOCK_RAISES_FOR_INPUTS = Fallback("inputs and input_ids both passed (stock generate raises for it)",
                                     "pass the token ids once", stock_raises=True)
+_POSITIONAL = Fallback("positional arguments stock generate has no room for (too many, or also given by name)",
+                      "pass generate's arguments by name")
+_STOCK_RAISES_FOR_POSITIONAL = Fallback("positional arguments stock generate has no room for (stock generate raises "
+                                        "for them)", "pass generate's arguments by name", stock_raises=True)
 _STOCK_RAISES_FOR_MODEL_KWARGS = Fallback("generate arguments the model does not take (stock generate raises "
                                           "for them)", "fix the argument's name", stock_raises=True)
 _NOT_COVERED = ("synced_gpus", "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
@@ -66,11 +64,10 @@ class CallPlan:
 
 def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallPlan | Fallback:
     """Read a ``generate`` call as stock would; a :class:`Fallback` says why the loop cannot run it exactly."""
-    positional = _positional_names(type(model))
-    named = dict(zip(positional, args))
-    if len(args) > len(positional) or set(named) & set(kwargs):
-        return Fallback("positional arguments beyond generate's signature (stock generate raises for them)",
-                        "pass generate's arguments by name", stock_raises=True)
+    named = dict(zip(_GENERATE_ARGS, args))
+    if len(args) > len(_GENERATE_ARGS) or set(named) & set(kwargs):
+        # A model class's own generate may take what stock's has no room for.
+        return _POSITIONAL if type(model).generate is not GenerationMixin.generate else _STOCK_RAISES_FOR_POSITIONAL
     named.update(kwargs)
     named.pop("trust_remote_code", None)  # stock's too: it only lets custom_generate load code (not covered)
     for name in _NOT_COVERED:
