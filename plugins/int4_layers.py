@@ -52,6 +52,15 @@ class Int4WeightLinear(SavedAsFloat):
     """``y = x @ dequant(W)^T + b`` through aten's int4 CPU kernel. Built from an ``nn.Linear`` or ``Conv1D``
     whose input size is a multiple of ``group_size``."""
 
+    #: The packing kernel takes output sizes in multiples of this.
+    ROWS_PER_BLOCK = 16
+
+    @classmethod
+    def takes(cls, weight: torch.Tensor, group_size: int) -> bool:
+        """Whether the kernel takes a ``[out, in]`` weight of this shape in groups of ``group_size``."""
+        rows, columns = weight.shape
+        return columns % group_size == 0 and rows % cls.ROWS_PER_BLOCK == 0
+
     def __init__(self, linear: nn.Module, group_size: int) -> None:
         super().__init__()
         self.remember_layout(linear)

@@ -46,14 +46,14 @@ def quantize_int4(context: PatchContext) -> None:
         context.changes.set_submodule(parent, name, Int4Embedding(embedding, group_size))
         report.modules.append(qualified)
     for parent, name, qualified, linear in selected_linears(context):
-        if weight_and_bias(linear)[0].shape[1] % group_size:
+        if not Int4WeightLinear.takes(weight_and_bias(linear)[0], group_size):
             unsuitable.append(qualified)
             continue
         context.changes.set_submodule(parent, name, Int4WeightLinear(linear, group_size))
         report.modules.append(qualified)
     if unsuitable:
         report.details["left_in_full_precision"] = unsuitable
-        logger.info("int4: %d modules left in full precision (input size not a multiple of group_size=%d): %s",
+        logger.info("int4: %d modules left in full precision (sizes the int4 kernel cannot take, group_size=%d): %s",
                     len(unsuitable), group_size, ", ".join(unsuitable[:5]) + (" ..." if len(unsuitable) > 5 else ""))
     record_quantization(context, f"int4 weights (asymmetric, groups of {group_size}), bf16 activations")
 

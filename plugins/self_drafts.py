@@ -24,43 +24,47 @@ def vocab_size(model: PreTrainedModel) -> int:
 
 def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
     """A copy of ``model`` sharing its non-Linear tensors (embeddings, norms), whose Linear layers are int8
-    per output channel (``bits=8``), or int4 in groups of 32 with an int8 output head (``bits=4``); where the
-    target's head holds a plain weight, the head's best logits come from it (:class:`TopLogitsExact`)."""
+    per output channel (``bits=8``), or int4 in groups of 32 (``bits=4``). Where the target's head holds a
+    plain weight, the copy's head picks its best logits from it (:class:`TopLogitsExact`), and an int4 copy's
+    head is int4 too; otherwise the head stays int8, whose own rounding then decides the draft."""
     with torch.device("meta"):
         draft = type(model)(copy.deepcopy(model.config))
     share_tensors(model, draft)
     draft.tie_weights()
     head = draft.get_output_embeddings()
+    target_head = model.get_output_embeddings()
+    exact_head = TopLogitsExact.rows_of(target_head, head) is not None
     # One layer at a time, from the target's layer of the same name: a packed target holds no plain weights,
     # and unpacking them all at once would cost a full copy of them.
     for parent, name, qualified, linear in list(linear_children(draft)):
         weight, bias = weight_and_bias(model.get_submodule(qualified))
         linear.weight = nn.Parameter(weight.t() if isinstance(linear, Conv1D) else weight, requires_grad=False)
         linear.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        four_bits = bits == 4 and linear is not head and weight.shape[1] % 32 == 0
+        four_bits = bits == 4 and (linear is not head or exact_head) and Int4WeightLinear.takes(weight, 32)
         setattr(parent, name, Int4WeightLinear(linear, 32) if four_bits else Int8WeightLinear(linear))
         linear.weight = linear.bias = None  # the list above still holds the module: free its plain copy now
     for name, tensor in [*draft.named_parameters(), *draft.named_buffers()]:
         if tensor.is_meta:
             raise RuntimeError(f"could not copy {name} into the quantized draft")
-    target_head = model.get_output_embeddings()
     quantized_head = draft.get_output_embeddings()
-    if TopLogitsExact.rows_of(target_head, quantized_head) is not None:
+    if exact_head:
         parent, _, leaf = next(name for name, m in draft.named_modules() if m is quantized_head).rpartition(".")
         setattr(draft.get_submodule(parent), leaf, TopLogitsExact(quantized_head, target_head))
     return draft.eval()
 
 
 class TopLogitsExact(nn.Module):
-    """A draft's int8 output head whose ``k`` highest logits at each position are recomputed from the target
-    head's own plain weight (read from the target's head on every call, never copied or held), so that the
-    draft picks among its best candidates as the target would. With the model-card settings the int8 head's
-    rounding made SmolLM2's int4 self-draft disagree with the target more than its int4 layers did: 0.80 of
-    its drafts accepted, 0.93 with the 4 best recomputed, 0.92 with an fp32 head. Costs a top-k over the
-    vocabulary and ``k`` rows of the head per position. Where the target's head holds no plain weight (an
-    untied head packed for its kernel), the int8 logits are used as they are."""
+    """A draft's quantized output head whose ``k`` highest logits at each position are recomputed from the
+    target head's own plain weight (read from the target's head on every call, never copied or held), so that
+    the draft picks among its best candidates as the target would. With the model-card settings the int8
+    head's rounding made SmolLM2's int4 self-draft disagree with the target more than its int4 layers did:
+    0.80 of its drafts accepted, 0.93 with the 4 best recomputed, 0.92 with an fp32 head. With the 8 best
+    recomputed an int4 head agrees as often as the int8 one did with 4, and reads 18 MB a draft step
+    instead of 28 (docs/benchmarks.md). Costs a top-k over the vocabulary and ``k`` rows of the head per
+    position. Where the target's head holds no plain weight (an untied head packed for its kernel), there is
+    nothing to recompute from and the copy keeps a plain int8 head instead."""
 
-    def __init__(self, head: nn.Module, target_head: nn.Module, k: int = 4) -> None:
+    def __init__(self, head: nn.Module, target_head: nn.Module, k: int = 8) -> None:
         super().__init__()
         self.head, self.k = head, k
         self.out_features, self.in_features = head.out_features, head.in_features
@@ -95,15 +99,17 @@ class TopLogitsExact(nn.Module):
 
 def draft_bytes(context: PatchContext, bits: int) -> int:
     """Estimated bytes a quantized copy adds: its Linear layers' codes and scales (int4 with bf16 scales and
-    offsets per 32 weights, or int8; the head int8), plus the largest layer unpacked and coded while copying."""
+    offsets per 32 weights, or int8; the head int8 where :func:`quantized_copy` keeps it so), plus the largest
+    layer unpacked and coded while copying."""
     with torch.device("meta"):  # shapes only: the target's own layers may be packed by now
         fresh = type(context.model)(copy.deepcopy(context.model.config))
     head = fresh.get_output_embeddings()
-    sizes = [(linear.weight.numel(), linear is head) for _, _, _, linear in linear_children(fresh)]
+    int8_head = TopLogitsExact.rows_of(context.model.get_output_embeddings(), head) is None
+    sizes = [(linear.weight.numel(), linear is head and int8_head) for _, _, _, linear in linear_children(fresh)]
     if not sizes:
         return 0
     per_weight = int4_bytes_per_weight(32) if bits == 4 else 1.0
-    held = sum(n * (1.0 if is_head else per_weight) for n, is_head in sizes)
+    held = sum(n * (1.0 if int8 else per_weight) for n, int8 in sizes)
     return int(held + 8 * max(n for n, _ in sizes))  # fp32 plus int32 codes of one layer at a time
 
 
@@ -156,11 +162,13 @@ def self_draft_problem(context: PatchContext) -> str | None:
 
 
 #: What each self-draft is, for the report.
-SELF_DRAFTS = {8: "int8 per-channel copy of the target", 4: "int4 (groups of 32) copy of the target, int8 head"}
+SELF_DRAFTS = {8: "int8 per-channel copy of the target", 4: "int4 (groups of 32) copy of the target"}
 
 
 def describe(draft: nn.Module, bits: int) -> str:
     """What a self-draft is, for the report."""
     head = draft.get_output_embeddings()
-    exact = f" (its best {head.k} logits from the target's head)" if isinstance(head, TopLogitsExact) else ""
-    return SELF_DRAFTS[bits] + exact
+    if not isinstance(head, TopLogitsExact):
+        return f"{SELF_DRAFTS[bits]}, int8 head"
+    kind = "int4" if isinstance(head.head, Int4WeightLinear) else "int8"
+    return f"{SELF_DRAFTS[bits]}, {kind} head (its best {head.k} logits from the target's head)"

@@ -8,6 +8,7 @@ import transformers
 from conftest import assert_same_state, left_padded_batch, make_tiny_model, state_dict_copy
 
 import hf_accel
+from hf_accel.testing.models import tiny_config
 from hf_accel_plugins.int4_layers import Int4Embedding, Int4WeightLinear
 from hf_accel_plugins.int8_layers import Int8Embedding, Int8WeightLinear
 
@@ -206,6 +207,24 @@ def test_int4_embedding_and_head_with_a_tied_table():
     assert report.weight_bytes_after < 0.2 * report.weight_bytes_before
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert out.shape == (3, ids.shape[1] + 6)
+
+
+def test_int4_leaves_layers_the_kernel_cannot_pack_in_full_precision():
+    # The int4 packer takes output sizes in multiples of 16 only: 136 made the whole patch fail before.
+    config = tiny_config("llama")
+    config.intermediate_size = 136
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = left_padded_batch(model)
+    hf_accel.patch(model, quantize="int4", compile=None, speculative=None)
+    report = hf_accel.report(model)["quantize"]
+    left = report.details["left_in_full_precision"]
+    assert sorted(left) == sorted(f"model.layers.{i}.mlp.{name}" for i in range(2) for name in ("gate_proj", "up_proj",
+                                                                                                 "down_proj"))
+    assert all(isinstance(model.get_submodule(name), torch.nn.Linear) for name in left)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Int4WeightLinear)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert out.shape == (3, ids.shape[1] + 4)
 
 
 def test_int4_rejects_a_group_size_the_kernel_cannot_run(llama):

@@ -556,7 +556,12 @@ def test_a_self_draft_reads_the_targets_own_head_rows_where_it_holds_them(arch, 
     assert isinstance(head, TopLogitsExact) == (rows is not None)
     assert (rows is None) == (compile == "auto" and not model.config.tie_word_embeddings and "PackedLinear" in str(
         type(model.get_output_embeddings())))
-    assert ("best 4 logits" in hf_accel.report(model)["speculative"].details["draft"]) == (rows is not None)
+    described = hf_accel.report(model)["speculative"].details["draft"]
+    assert ("best 8 logits" in described) == (rows is not None)
+    # An int4 copy's head is int4 only where its best logits are recomputed: alone, its rounding costs drafts.
+    inner = head.head if rows is not None else head
+    assert type(inner).__name__ == ("Int4WeightLinear" if bits == 4 and rows is not None else "Int8WeightLinear")
+    assert f"{type(inner).__name__[:4].lower()} head" in described
     if rows is not None:
         assert rows.data_ptr() == model.get_output_embeddings().weight.data_ptr()  # the target's own, not a copy
         replaced = torch.nn.Parameter(torch.randn_like(rows), requires_grad=False)
