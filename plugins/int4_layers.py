@@ -50,10 +50,14 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 class Int4WeightLinear(SavedAsFloat):
     """``y = x @ dequant(W)^T + b`` through aten's int4 CPU kernel. Built from an ``nn.Linear`` or ``Conv1D``
-    whose input size is a multiple of ``group_size``."""
+    whose input size is a multiple of ``group_size`` and output size a multiple of 16 (:meth:`takes`)."""
 
     #: The packing kernel takes output sizes in multiples of this.
     ROWS_PER_BLOCK = 16
+    #: Rows coded and packed at a time, so that coding a large head holds ~12 bytes a weight of only this many
+    #: rows. The packer lays out each block of 64 rows (32 below AVX-512) on its own, so any multiple of 64
+    #: packs the same bytes as the whole weight at once.
+    PACK_ROWS = 4096
 
     @classmethod
     def takes(cls, weight: torch.Tensor, group_size: int) -> bool:
@@ -73,11 +77,16 @@ class Int4WeightLinear(SavedAsFloat):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def _pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        codes, scale, minimum = quantize_groups(weight, self.group_size)
-        # The kernel computes (q - 8) * scale + zero, so its "zero" is the value of the middle code.
-        zero = minimum + 8 * scale
-        scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scales_and_zeros.to(torch.bfloat16)
+        rows, columns = weight.shape
+        packed = torch.empty(rows, columns // 2, dtype=torch.uint8, device=weight.device)
+        scales_and_zeros = torch.empty(columns // self.group_size, rows, 2, dtype=torch.bfloat16, device=weight.device)
+        for start in range(0, rows, self.PACK_ROWS):
+            block = slice(start, start + self.PACK_ROWS)
+            codes, scale, minimum = quantize_groups(weight[block], self.group_size)
+            # The kernel computes (q - 8) * scale + zero, so its "zero" is the value of the middle code.
+            scales_and_zeros[:, block] = torch.stack([scale, minimum + 8 * scale], dim=-1).transpose(0, 1)
+            packed[block] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        return packed, scales_and_zeros
 
     def dequantized(self) -> torch.Tensor:
         codes = unpack_int4(self.packed_weight, self.out_features, self.in_features).float()

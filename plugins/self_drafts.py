@@ -40,7 +40,7 @@ def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
         weight, bias = weight_and_bias(model.get_submodule(qualified))
         linear.weight = nn.Parameter(weight.t() if isinstance(linear, Conv1D) else weight, requires_grad=False)
         linear.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        four_bits = bits == 4 and (linear is not head or exact_head) and Int4WeightLinear.takes(weight, 32)
+        four_bits = in_int4(bits, weight, linear is head, exact_head)
         setattr(parent, name, Int4WeightLinear(linear, 32) if four_bits else Int8WeightLinear(linear))
         linear.weight = linear.bias = None  # the list above still holds the module: free its plain copy now
     for name, tensor in [*draft.named_parameters(), *draft.named_buffers()]:
@@ -53,6 +53,13 @@ def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
     return draft.eval()
 
 
+def in_int4(bits: int, weight: torch.Tensor, is_head: bool, exact_head: bool) -> bool:
+    """Whether a copy's Linear layer of this ``[out, in]`` weight is int4 (else int8): in an int4 copy, where the
+    kernel takes its shape, and for the head only where its best logits are recomputed (alone, an int4 head's
+    rounding costs too many drafts)."""
+    return bits == 4 and (not is_head or exact_head) and Int4WeightLinear.takes(weight, 32)
+
+
 class TopLogitsExact(nn.Module):
     """A draft's quantized output head whose ``k`` highest logits at each position are recomputed from the
     target head's own plain weight (read from the target's head on every call, never copied or held), so that
@@ -61,8 +68,9 @@ class TopLogitsExact(nn.Module):
     0.80 of its drafts accepted, 0.93 with the 4 best recomputed, 0.92 with an fp32 head. With the 8 best
     recomputed an int4 head agrees as often as the int8 one did with 4, and reads 18 MB a draft step
     instead of 28 (docs/benchmarks.md). Costs a top-k over the vocabulary and ``k`` rows of the head per
-    position. Where the target's head holds no plain weight (an untied head packed for its kernel), there is
-    nothing to recompute from and the copy keeps a plain int8 head instead."""
+    position. Where the target's head holds no plain weight when the copy is made (an untied head packed for
+    its kernel), the copy gets a plain int8 head instead; should the target's head lose its plain weight later
+    (or be freed), the quantized logits are used as they are: slower drafts, never other output tokens."""
 
     def __init__(self, head: nn.Module, target_head: nn.Module, k: int = 8) -> None:
         super().__init__()
@@ -99,18 +107,19 @@ class TopLogitsExact(nn.Module):
 
 def draft_bytes(context: PatchContext, bits: int) -> int:
     """Estimated bytes a quantized copy adds: its Linear layers' codes and scales (int4 with bf16 scales and
-    offsets per 32 weights, or int8; the head int8 where :func:`quantized_copy` keeps it so), plus the largest
-    layer unpacked and coded while copying."""
+    offsets per 32 weights, or int8 with a bf16 scale per row, layer by layer as :func:`quantized_copy`
+    chooses; biases are not counted), plus the largest layer unpacked and coded while copying."""
     with torch.device("meta"):  # shapes only: the target's own layers may be packed by now
         fresh = type(context.model)(copy.deepcopy(context.model.config))
     head = fresh.get_output_embeddings()
-    int8_head = TopLogitsExact.rows_of(context.model.get_output_embeddings(), head) is None
-    sizes = [(linear.weight.numel(), linear is head and int8_head) for _, _, _, linear in linear_children(fresh)]
-    if not sizes:
+    exact_head = TopLogitsExact.rows_of(context.model.get_output_embeddings(), head) is not None
+    layers = [(weight_and_bias(linear)[0], linear is head) for _, _, _, linear in linear_children(fresh)]
+    if not layers:
         return 0
-    per_weight = int4_bytes_per_weight(32) if bits == 4 else 1.0
-    held = sum(n * (1.0 if int8 else per_weight) for n, int8 in sizes)
-    return int(held + 8 * max(n for n, _ in sizes))  # fp32 plus int32 codes of one layer at a time
+    held = sum(weight.numel() * int4_bytes_per_weight(32) if in_int4(bits, weight, is_head, exact_head)
+               else weight.numel() + 2 * weight.shape[0]  # int8 codes, a bf16 scale per row
+               for weight, is_head in layers)
+    return int(held + 8 * max(weight.numel() for weight, _ in layers))  # fp32 plus int32 codes of one layer at a time
 
 
 def self_draft(context: PatchContext, bits: int) -> nn.Module:

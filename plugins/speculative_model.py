@@ -4,10 +4,10 @@
 draft_model=small_model``). The draft model must share the target's tokenizer.
 
 ``self_int8`` / ``self_int4``: a copy of the target whose Linear layers are int8 per output channel, or
-int4 in groups of 32, on the same aten kernels as ``quantize="int8"`` / ``"int4"``. Where the target's head
-holds a plain weight, the copy's head (int4 in an int4 copy) has its best 8 logits recomputed from it; otherwise
-the head is int8. It shares the
-target's embeddings and norms, costs a quarter (an eighth) of the Linear weights in extra memory, agrees
+int4 in groups of 32 (int8 where the int4 kernel cannot take a layer's shape), on the same aten kernels as
+``quantize="int8"`` / ``"int4"``. Where the target's head holds a plain weight, the copy's head (int4 in an
+int4 copy, shape permitting) has its best 8 logits recomputed from it; otherwise the head is int8. It shares
+the target's embeddings and norms, costs about a quarter (a sixth) of the fp32 Linear weights in extra memory, agrees
 with the target on most tokens, and runs each drafted token in a fraction of the target's time on
 memory-bound hardware. Output stays the target's: every draft is verified.
 """

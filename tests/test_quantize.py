@@ -173,6 +173,20 @@ def test_int4_linear_matches_its_dequantized_weights(group_size):
     assert ((module(x) - expected).abs().max() / expected.abs().max()) < 0.01  # bf16 activations
 
 
+def test_int4_packs_a_large_layer_block_by_block_as_in_one_piece(monkeypatch):
+    # Coded a block of rows at a time (to bound the memory coding a head takes), the packed bytes and scales
+    # must be those of one piece: the packer lays out blocks of 64 rows (32 below AVX-512) each on its own.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 16 * 11)
+    whole = Int4WeightLinear(linear, 32)
+    monkeypatch.setattr(Int4WeightLinear, "PACK_ROWS", 64)  # 2 full blocks and a partial one of 48 rows
+    blocks = Int4WeightLinear(linear, 32)
+    assert torch.equal(blocks.packed_weight, whole.packed_weight)
+    assert torch.equal(blocks.scales_and_zeros, whole.scales_and_zeros)
+    x = torch.randn(3, 64)
+    assert torch.equal(blocks(x), whole(x))
+
+
 def test_int4_quantizes_every_architecture(tiny_model):
     from hf_accel_plugins.int4_layers import Int4WeightLinear
 

@@ -5,10 +5,13 @@ compiled ones."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from conftest import VOCAB, left_padded_batch, make_tiny_model
 from transformers import (
+    AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -23,6 +26,7 @@ from hf_accel.runtime.speculative import loop as speculative_loop
 from hf_accel.runtime.speculative.loop import Draft, DraftLength, accept_sampled
 from hf_accel.runtime.speculative.runner import install_runner
 from hf_accel.testing.checks import chi_square_p_value
+from hf_accel.testing.models import tiny_config
 
 
 class ScriptedDrafter:
@@ -537,9 +541,31 @@ def test_the_int8_heads_rounding_no_longer_decides_the_draft():
     linear.weight.data[1, :2] = torch.tensor([0.0, 1.2])
     x = torch.zeros(1, 32)
     x[0, :2] = torch.tensor([0.01, 1.0])
-    head = TopLogitsExact(Int8WeightLinear(linear), linear)
+    head = TopLogitsExact(Int8WeightLinear(linear), linear, k=4)  # fewer than its 8 rows: a real choice
     assert int(linear(x).argmax()) == 0 and int(head.head(x).argmax()) == 1
     assert int(head(x).argmax()) == 0
+
+
+@pytest.mark.parametrize("vocab", [512, 1000])  # 1000 rows: a head the int4 packer cannot take
+def test_a_self_drafts_estimated_bytes_are_the_layers_it_builds(vocab):
+    from hf_accel.plugin import linear_children
+    from hf_accel_plugins.self_drafts import TopLogitsExact, draft_bytes, own_bytes, quantized_copy
+
+    config = tiny_config("llama")
+    config.vocab_size, config.intermediate_size = vocab, 136  # MLP outputs the packer cannot take either
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    largest = max(linear.weight.numel() for *_, linear in linear_children(model))
+    for bits in (4, 8):
+        draft = quantized_copy(model, bits)
+        head = draft.get_output_embeddings()
+        assert isinstance(head, TopLogitsExact)
+        assert type(head.head).__name__ == ("Int4WeightLinear" if bits == 4 and vocab % 16 == 0 else "Int8WeightLinear")
+        assert type(draft.model.layers[0].mlp.up_proj).__name__ == "Int8WeightLinear"
+        if bits == 4:
+            assert type(draft.model.layers[0].self_attn.q_proj).__name__ == "Int4WeightLinear"
+        estimate = draft_bytes(types.SimpleNamespace(model=model), bits) - 8 * largest  # less the copying's peak
+        assert estimate == own_bytes(draft, model)
 
 
 @pytest.mark.parametrize("arch, compile", [("gemma2", "auto"), ("gpt2", "auto"), ("llama", None), ("llama", "auto")])
