@@ -53,7 +53,7 @@ class Int4WeightLinear(SavedAsFloat):
     whose input size is a multiple of ``group_size`` and output size a multiple of 16 (:meth:`takes`)."""
 
     #: The packing kernel takes output sizes in multiples of this.
-    ROWS_PER_BLOCK = 16
+    OUT_MULTIPLE = 16
     #: Rows coded and packed at a time, so that coding a large head holds ~12 bytes a weight of only this many
     #: rows. The packer lays out each block of 64 rows (32 below AVX-512) on its own, so any multiple of 64
     #: packs the same bytes as the whole weight at once.
@@ -63,7 +63,7 @@ class Int4WeightLinear(SavedAsFloat):
     def takes(cls, weight: torch.Tensor, group_size: int) -> bool:
         """Whether the kernel takes a ``[out, in]`` weight of this shape in groups of ``group_size``."""
         rows, columns = weight.shape
-        return columns % group_size == 0 and rows % cls.ROWS_PER_BLOCK == 0
+        return columns % group_size == 0 and rows % cls.OUT_MULTIPLE == 0
 
     def __init__(self, linear: nn.Module, group_size: int) -> None:
         super().__init__()

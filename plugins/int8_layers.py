@@ -23,7 +23,16 @@ class Int8Rows(SavedAsFloat):
 
 class Int8WeightLinear(Int8Rows):
     """``y = x @ (q * scale)^T + b`` with ``q`` int8 ``[out, in]`` and one bf16 ``scale`` per output.
-    Built from an ``nn.Linear`` or GPT-2's ``Conv1D``."""
+    Built from an ``nn.Linear`` or GPT-2's ``Conv1D`` whose input size the kernel takes (:meth:`takes`)."""
+
+    #: The kernel reads inputs 16 values at a time with aligned loads (8 below AVX-512): other input sizes
+    #: read past each row and give wrong values, or crash the process.
+    IN_MULTIPLE = 16
+
+    @classmethod
+    def takes(cls, weight: torch.Tensor) -> bool:
+        """Whether the kernel takes a ``[out, in]`` weight of this shape."""
+        return weight.shape[1] % cls.IN_MULTIPLE == 0
 
     def __init__(self, linear: nn.Module) -> None:
         super().__init__()

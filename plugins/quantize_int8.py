@@ -10,6 +10,8 @@ top-1 tokens on this model; bitsandbytes' and torchao's int8 paths were slower t
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -24,8 +26,11 @@ from hf_accel.plugin import (
     selected_embeddings,
     selected_linears,
     tensor_bytes,
+    weight_and_bias,
 )
 from hf_accel_plugins.int8_layers import Int8Embedding, Int8WeightLinear, kernel_problem
+
+logger = logging.getLogger(__name__)
 
 
 def quantize_int8(context: PatchContext) -> None:
@@ -36,13 +41,21 @@ def quantize_int8(context: PatchContext) -> None:
         replaced[id(embedding.weight)] = Int8Embedding(embedding)
         context.changes.set_submodule(parent, name, replaced[id(embedding.weight)])
         report.modules.append(qualified)
+    unsuitable = []
     for parent, name, qualified, linear in selected_linears(context):
+        if not Int8WeightLinear.takes(weight_and_bias(linear)[0]):
+            unsuitable.append(qualified)
+            continue
         module = Int8WeightLinear(linear)
         tied = replaced.get(id(linear.weight))
         if tied is not None:  # an output head tied to a quantized embedding shares its int8 table
             module.qweight, module.scale = tied.qweight, tied.scale
         context.changes.set_submodule(parent, name, module)
         report.modules.append(qualified)
+    if unsuitable:
+        report.details["left_in_full_precision"] = unsuitable
+        logger.info("int8: %d modules left in full precision (input sizes the int8 kernel cannot take): %s",
+                    len(unsuitable), ", ".join(unsuitable[:5]) + (" ..." if len(unsuitable) > 5 else ""))
     record_quantization(context, "int8 weights (symmetric, per output channel), bf16 activations")
 
 

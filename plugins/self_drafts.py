@@ -24,9 +24,11 @@ def vocab_size(model: PreTrainedModel) -> int:
 
 def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
     """A copy of ``model`` sharing its non-Linear tensors (embeddings, norms), whose Linear layers are int8
-    per output channel (``bits=8``), or int4 in groups of 32 (``bits=4``). Where the target's head holds a
-    plain weight, the copy's head picks its best logits from it (:class:`TopLogitsExact`), and an int4 copy's
-    head is int4 too; otherwise the head stays int8, whose own rounding then decides the draft."""
+    per output channel (``bits=8``), or int4 in groups of 32 (``bits=4``), each where its kernel takes the
+    layer's shape (int8 in an int4 copy otherwise; a layer neither takes keeps the target's float weight).
+    Where the target's head holds a plain weight, the copy's head picks its best logits from it
+    (:class:`TopLogitsExact`), and an int4 copy's head is int4 too; otherwise the head stays int8, whose own
+    rounding then decides the draft."""
     with torch.device("meta"):
         draft = type(model)(copy.deepcopy(model.config))
     share_tensors(model, draft)
@@ -40,8 +42,12 @@ def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
         weight, bias = weight_and_bias(model.get_submodule(qualified))
         linear.weight = nn.Parameter(weight.t() if isinstance(linear, Conv1D) else weight, requires_grad=False)
         linear.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        four_bits = in_int4(bits, weight, linear is head, exact_head)
-        setattr(parent, name, Int4WeightLinear(linear, 32) if four_bits else Int8WeightLinear(linear))
+        if in_int4(bits, weight, linear is head, exact_head):
+            setattr(parent, name, Int4WeightLinear(linear, 32))
+        elif Int8WeightLinear.takes(weight):
+            setattr(parent, name, Int8WeightLinear(linear))
+        else:
+            continue  # neither kernel takes its shape: the layer keeps the target's float weight
         linear.weight = linear.bias = None  # the list above still holds the module: free its plain copy now
     for name, tensor in [*draft.named_parameters(), *draft.named_buffers()]:
         if tensor.is_meta:
@@ -108,18 +114,31 @@ class TopLogitsExact(nn.Module):
 def draft_bytes(context: PatchContext, bits: int) -> int:
     """Estimated bytes a quantized copy adds: its Linear layers' codes and scales (int4 with bf16 scales and
     offsets per 32 weights, or int8 with a bf16 scale per row, layer by layer as :func:`quantized_copy`
-    chooses; biases are not counted), plus the largest layer unpacked and coded while copying."""
+    chooses; and each such layer's copy of its bias), plus the largest layer unpacked and coded while copying.
+    A layer neither kernel takes shares the target's weight (a packed target's is unpacked: not counted)."""
     with torch.device("meta"):  # shapes only: the target's own layers may be packed by now
         fresh = type(context.model)(copy.deepcopy(context.model.config))
     head = fresh.get_output_embeddings()
     exact_head = TopLogitsExact.rows_of(context.model.get_output_embeddings(), head) is not None
-    layers = [(weight_and_bias(linear)[0], linear is head) for _, _, _, linear in linear_children(fresh)]
+    target = context.model
+    layers = [(weight_and_bias(linear)[0], linear is head, getattr(target.get_submodule(qualified), "bias", None))
+              for _, _, qualified, linear in linear_children(fresh)]
     if not layers:
         return 0
-    held = sum(weight.numel() * int4_bytes_per_weight(32) if in_int4(bits, weight, is_head, exact_head)
-               else weight.numel() + 2 * weight.shape[0]  # int8 codes, a bf16 scale per row
-               for weight, is_head in layers)
-    return int(held + 8 * max(weight.numel() for weight, _ in layers))  # fp32 plus int32 codes of one layer at a time
+    held = sum(_copied_bytes(bits, weight, is_head, exact_head, bias) for weight, is_head, bias in layers)
+    largest = max(weight.numel() for weight, _, _ in layers)
+    return int(held + 8 * largest)  # fp32 plus int32 codes of one layer at a time
+
+
+def _copied_bytes(bits: int, weight: torch.Tensor, is_head: bool, exact_head: bool, bias: torch.Tensor | None) -> float:
+    """What :func:`quantized_copy` adds for one Linear layer (a plain layer it keeps shares the target's tensors)."""
+    if in_int4(bits, weight, is_head, exact_head):
+        codes = weight.numel() * int4_bytes_per_weight(32)
+    elif Int8WeightLinear.takes(weight):
+        codes = weight.numel() + 2 * weight.shape[0]  # int8 codes, a bf16 scale per row
+    else:
+        return 0
+    return codes + (0 if bias is None else bias.numel() * bias.element_size())
 
 
 def self_draft(context: PatchContext, bits: int) -> nn.Module:

@@ -179,6 +179,7 @@ def test_int4_packs_a_large_layer_block_by_block_as_in_one_piece(monkeypatch):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 16 * 11)
     whole = Int4WeightLinear(linear, 32)
+    assert Int4WeightLinear.PACK_ROWS % 64 == 0  # what layers of more rows are packed by
     monkeypatch.setattr(Int4WeightLinear, "PACK_ROWS", 64)  # 2 full blocks and a partial one of 48 rows
     blocks = Int4WeightLinear(linear, 32)
     assert torch.equal(blocks.packed_weight, whole.packed_weight)
@@ -223,20 +224,24 @@ def test_int4_embedding_and_head_with_a_tied_table():
     assert out.shape == (3, ids.shape[1] + 6)
 
 
-def test_int4_leaves_layers_the_kernel_cannot_pack_in_full_precision():
-    # The int4 packer takes output sizes in multiples of 16 only: 136 made the whole patch fail before.
+@pytest.mark.parametrize("scheme, left, kind", [
+    ("int4", ("gate_proj", "up_proj", "down_proj"), Int4WeightLinear),  # outputs of 136 rows, inputs of 136
+    ("int8", ("down_proj",), Int8WeightLinear),  # inputs of 136: its kernel read past them (or crashed)
+])
+def test_layers_the_kernel_cannot_take_stay_in_full_precision(scheme, left, kind):
+    # Before: int4's packer failed the whole patch; int8's kernel gave wrong values or a segmentation fault.
     config = tiny_config("llama")
     config.intermediate_size = 136
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     ids, mask = left_padded_batch(model)
-    hf_accel.patch(model, quantize="int4", compile=None, speculative=None)
+    hf_accel.patch(model, quantize=scheme, compile=None, speculative=None)
     report = hf_accel.report(model)["quantize"]
-    left = report.details["left_in_full_precision"]
-    assert sorted(left) == sorted(f"model.layers.{i}.mlp.{name}" for i in range(2) for name in ("gate_proj", "up_proj",
-                                                                                                 "down_proj"))
-    assert all(isinstance(model.get_submodule(name), torch.nn.Linear) for name in left)
-    assert isinstance(model.model.layers[0].self_attn.q_proj, Int4WeightLinear)
+    assert report.verification.passed
+    names = report.details["left_in_full_precision"]
+    assert sorted(names) == sorted(f"model.layers.{i}.mlp.{name}" for i in range(2) for name in left)
+    assert all(isinstance(model.get_submodule(name), torch.nn.Linear) for name in names)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, kind)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert out.shape == (3, ids.shape[1] + 4)
 

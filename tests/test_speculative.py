@@ -546,26 +546,48 @@ def test_the_int8_heads_rounding_no_longer_decides_the_draft():
     assert int(head(x).argmax()) == 0
 
 
-@pytest.mark.parametrize("vocab", [512, 1000])  # 1000 rows: a head the int4 packer cannot take
-def test_a_self_drafts_estimated_bytes_are_the_layers_it_builds(vocab):
+def _llama_with_layers_the_int4_kernel_cannot_take(vocab: int):
+    config = tiny_config("llama")
+    config.vocab_size, config.intermediate_size = vocab, 136  # MLP sizes the int4 (and int8) kernels cannot take
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_of", [lambda: _llama_with_layers_the_int4_kernel_cannot_take(512),
+                                      lambda: _llama_with_layers_the_int4_kernel_cannot_take(1000),  # and head
+                                      lambda: make_tiny_model("gpt2"), lambda: make_tiny_model("qwen2")],
+                         ids=["llama-mlp-int8", "llama-mlp-and-head-int8", "gpt2-conv1d-biases", "qwen2-biases"])
+def test_a_self_drafts_estimated_bytes_are_the_layers_it_builds(model_of):
     from hf_accel.plugin import linear_children
     from hf_accel_plugins.self_drafts import TopLogitsExact, draft_bytes, own_bytes, quantized_copy
 
-    config = tiny_config("llama")
-    config.vocab_size, config.intermediate_size = vocab, 136  # MLP outputs the packer cannot take either
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = model_of()
     largest = max(linear.weight.numel() for *_, linear in linear_children(model))
+    vocab = model.config.vocab_size
     for bits in (4, 8):
         draft = quantized_copy(model, bits)
         head = draft.get_output_embeddings()
         assert isinstance(head, TopLogitsExact)
         assert type(head.head).__name__ == ("Int4WeightLinear" if bits == 4 and vocab % 16 == 0 else "Int8WeightLinear")
-        assert type(draft.model.layers[0].mlp.up_proj).__name__ == "Int8WeightLinear"
-        if bits == 4:
-            assert type(draft.model.layers[0].self_attn.q_proj).__name__ == "Int4WeightLinear"
+        if model.config.model_type == "llama":
+            mlp = draft.model.layers[0].mlp
+            assert type(mlp.up_proj).__name__ == "Int8WeightLinear"  # 136 outputs: int4 cannot
+            down = mlp.down_proj  # 136 inputs: neither kernel can; the target's own weight
+            assert type(down) is torch.nn.Linear
+            assert down.weight.data_ptr() == model.model.layers[0].mlp.down_proj.weight.data_ptr()
+            assert type(draft.model.layers[0].self_attn.q_proj).__name__ == f"Int{bits}WeightLinear"
         estimate = draft_bytes(types.SimpleNamespace(model=model), bits) - 8 * largest  # less the copying's peak
         assert estimate == own_bytes(draft, model)
+
+
+def test_an_int4_self_draft_with_int8_and_plain_layers_drafts_the_targets_tokens():
+    model = _llama_with_layers_the_int4_kernel_cannot_take(1000)
+    ids, mask = left_padded_batch(model)
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    hf_accel.patch(model, compile=None, speculative="self_int4")
+    assert "int8 head" in hf_accel.report(model)["speculative"].details["draft"]
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False), expected)
+    assert stats(model)["fallbacks_to_stock"] == 0 and stats(model)["accepted"] > 0
 
 
 @pytest.mark.parametrize("arch, compile", [("gemma2", "auto"), ("gpt2", "auto"), ("llama", None), ("llama", "auto")])
