@@ -38,6 +38,9 @@ class Int8WeightLinear(Int8Rows):
         super().__init__()
         self.remember_layout(linear)
         weight, bias = weight_and_bias(linear)
+        if not self.takes(weight):
+            raise ValueError(f"the int8 kernel cannot take {weight.shape[1]} inputs (a multiple of "
+                             f"{self.IN_MULTIPLE} is needed); leave this layer in full precision")
         self.out_features, self.in_features = weight.shape
         quantized, scale = quantize_rows(weight.float())
         self.register_buffer("qweight", quantized)

@@ -37,13 +37,18 @@ def quantize_int8(context: PatchContext) -> None:
     model, report = context.model, context.report
     report.weight_bytes_before = tensor_bytes(model)
     replaced: dict[int, nn.Module] = {}  # id(original weight) -> its int8 module, to keep ties tied
+    linears = selected_linears(context)
+    untaken = {id(linear.weight) for *_, linear in linears if not Int8WeightLinear.takes(weight_and_bias(linear)[0])}
+    unsuitable = []
     for parent, name, qualified, embedding in selected_embeddings(context):
+        if id(embedding.weight) in untaken:  # tied to a head the kernel cannot take: both stay, still tied
+            unsuitable.append(qualified)
+            continue
         replaced[id(embedding.weight)] = Int8Embedding(embedding)
         context.changes.set_submodule(parent, name, replaced[id(embedding.weight)])
         report.modules.append(qualified)
-    unsuitable = []
-    for parent, name, qualified, linear in selected_linears(context):
-        if not Int8WeightLinear.takes(weight_and_bias(linear)[0]):
+    for parent, name, qualified, linear in linears:
+        if id(linear.weight) in untaken:
             unsuitable.append(qualified)
             continue
         module = Int8WeightLinear(linear)
@@ -54,7 +59,7 @@ def quantize_int8(context: PatchContext) -> None:
         report.modules.append(qualified)
     if unsuitable:
         report.details["left_in_full_precision"] = unsuitable
-        logger.info("int8: %d modules left in full precision (input sizes the int8 kernel cannot take): %s",
+        logger.info("int8: %d modules left in full precision (sizes the int8 kernel cannot take): %s",
                     len(unsuitable), ", ".join(unsuitable[:5]) + (" ..." if len(unsuitable) > 5 else ""))
     record_quantization(context, "int8 weights (symmetric, per output channel), bf16 activations")
 

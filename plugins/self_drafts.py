@@ -25,7 +25,8 @@ def vocab_size(model: PreTrainedModel) -> int:
 def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
     """A copy of ``model`` sharing its non-Linear tensors (embeddings, norms), whose Linear layers are int8
     per output channel (``bits=8``), or int4 in groups of 32 (``bits=4``), each where its kernel takes the
-    layer's shape (int8 in an int4 copy otherwise; a layer neither takes keeps the target's float weight).
+    layer's shape (int8 in an int4 copy otherwise; a layer neither takes stays in float: the target's own
+    weight, or a packed target layer's unpacked copy).
     Where the target's head holds a plain weight, the copy's head picks its best logits from it
     (:class:`TopLogitsExact`), and an int4 copy's head is int4 too; otherwise the head stays int8, whose own
     rounding then decides the draft."""
@@ -53,7 +54,7 @@ def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
         if tensor.is_meta:
             raise RuntimeError(f"could not copy {name} into the quantized draft")
     quantized_head = draft.get_output_embeddings()
-    if exact_head:
+    if exact_head and isinstance(quantized_head, (Int4WeightLinear, Int8WeightLinear)):  # a float head is exact
         parent, _, leaf = next(name for name, m in draft.named_modules() if m is quantized_head).rpartition(".")
         setattr(draft.get_submodule(parent), leaf, TopLogitsExact(quantized_head, target_head))
     return draft.eval()
@@ -114,30 +115,34 @@ class TopLogitsExact(nn.Module):
 def draft_bytes(context: PatchContext, bits: int) -> int:
     """Estimated bytes a quantized copy adds: its Linear layers' codes and scales (int4 with bf16 scales and
     offsets per 32 weights, or int8 with a bf16 scale per row, layer by layer as :func:`quantized_copy`
-    chooses; and each such layer's copy of its bias), plus the largest layer unpacked and coded while copying.
-    A layer neither kernel takes shares the target's weight (a packed target's is unpacked: not counted)."""
+    chooses; and each such layer's copy of its bias; a layer neither kernel takes shares the target's weight,
+    or holds a packed target layer's unpacked copy), plus the largest layer unpacked and coded while copying."""
     with torch.device("meta"):  # shapes only: the target's own layers may be packed by now
         fresh = type(context.model)(copy.deepcopy(context.model.config))
     head = fresh.get_output_embeddings()
     exact_head = TopLogitsExact.rows_of(context.model.get_output_embeddings(), head) is not None
     target = context.model
-    layers = [(weight_and_bias(linear)[0], linear is head, getattr(target.get_submodule(qualified), "bias", None))
+    layers = [(weight_and_bias(linear)[0], linear is head, target.get_submodule(qualified))
               for _, _, qualified, linear in linear_children(fresh)]
     if not layers:
         return 0
-    held = sum(_copied_bytes(bits, weight, is_head, exact_head, bias) for weight, is_head, bias in layers)
+    held = sum(_copied_bytes(bits, weight, is_head, exact_head, layer, target.dtype)
+               for weight, is_head, layer in layers)
     largest = max(weight.numel() for weight, _, _ in layers)
     return int(held + 8 * largest)  # fp32 plus int32 codes of one layer at a time
 
 
-def _copied_bytes(bits: int, weight: torch.Tensor, is_head: bool, exact_head: bool, bias: torch.Tensor | None) -> float:
-    """What :func:`quantized_copy` adds for one Linear layer (a plain layer it keeps shares the target's tensors)."""
+def _copied_bytes(bits: int, weight: torch.Tensor, is_head: bool, exact_head: bool, target_layer: nn.Module,
+                  dtype: torch.dtype) -> float:
+    """What :func:`quantized_copy` adds for one Linear layer (``weight``: its shape) copied from ``target_layer``."""
+    bias = getattr(target_layer, "bias", None)
     if in_int4(bits, weight, is_head, exact_head):
         codes = weight.numel() * int4_bytes_per_weight(32)
     elif Int8WeightLinear.takes(weight):
         codes = weight.numel() + 2 * weight.shape[0]  # int8 codes, a bf16 scale per row
-    else:
-        return 0
+    else:  # kept in float: the target's own weight, or a packed target layer's unpacked copy
+        plain = isinstance(getattr(target_layer, "weight", None), torch.Tensor)
+        return 0 if plain else weight.numel() * dtype.itemsize
     return codes + (0 if bias is None else bias.numel() * bias.element_size())
 
 
@@ -196,7 +201,7 @@ SELF_DRAFTS = {8: "int8 per-channel copy of the target", 4: "int4 (groups of 32)
 def describe(draft: nn.Module, bits: int) -> str:
     """What a self-draft is, for the report."""
     head = draft.get_output_embeddings()
-    if not isinstance(head, TopLogitsExact):
-        return f"{SELF_DRAFTS[bits]}, int8 head"
-    kind = "int4" if isinstance(head.head, Int4WeightLinear) else "int8"
-    return f"{SELF_DRAFTS[bits]}, {kind} head (its best {head.k} logits from the target's head)"
+    inner = head.head if isinstance(head, TopLogitsExact) else head
+    kind = {Int4WeightLinear: "int4", Int8WeightLinear: "int8"}.get(type(inner), "float")
+    exact = f" (its best {head.k} logits from the target's head)" if isinstance(head, TopLogitsExact) else ""
+    return f"{SELF_DRAFTS[bits]}, {kind} head{exact}"

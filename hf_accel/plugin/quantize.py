@@ -185,6 +185,11 @@ def record_quantization(context: PatchContext, scheme: str) -> None:
     the bytes after and the scheme, and (unless ``keep_original=True``) free the originals once patch() has
     succeeded. Set ``context.report.weight_bytes_before`` before replacing anything."""
     if not context.report.modules:
+        left = context.report.details.get("left_in_full_precision")
+        if left:
+            named = ", ".join(left[:5]) + (" ..." if len(left) > 5 else "")
+            raise ValueError(f"every module selected has a shape this scheme's kernel cannot take ({named}); "
+                             "choose another quantize= scheme or other modules")
         raise ValueError("no module matched; check the include=/skip= patterns")
     context.report.weight_bytes_after = after = tensor_bytes(context.model)
     context.report.details["scheme"] = scheme
