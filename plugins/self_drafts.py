@@ -28,8 +28,8 @@ def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
     layer's shape (int8 in an int4 copy otherwise; a layer neither takes stays in float: the target's own
     weight, or a packed target layer's unpacked copy).
     Where the target's head holds a plain weight, the copy's head picks its best logits from it
-    (:class:`TopLogitsExact`), and an int4 copy's head is int4 too; otherwise the head stays int8, whose own
-    rounding then decides the draft."""
+    (:class:`TopLogitsExact`), and an int4 copy's head is int4 too; otherwise the head stays int8 (float where
+    neither kernel takes it), whose own rounding then decides the draft."""
     with torch.device("meta"):
         draft = type(model)(copy.deepcopy(model.config))
     share_tensors(model, draft)
