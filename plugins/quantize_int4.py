@@ -38,15 +38,19 @@ def quantize_int4(context: PatchContext) -> None:
         raise ValueError(f"group_size={group_size}; the int4 CPU kernel takes one of {GROUP_SIZES}")
     model, report = context.model, context.report
     report.weight_bytes_before = tensor_bytes(model)
+    linears = selected_linears(context)
+    untaken = {id(linear.weight) for *_, linear in linears
+               if not Int4WeightLinear.takes(weight_and_bias(linear)[0], group_size)}
     unsuitable = []
     for parent, name, qualified, embedding in selected_embeddings(context):
-        if embedding.embedding_dim % group_size:
+        # An embedding tied to a head the kernel cannot take stays too: quantized alone it would untie them.
+        if embedding.embedding_dim % group_size or id(embedding.weight) in untaken:
             unsuitable.append(qualified)
             continue
         context.changes.set_submodule(parent, name, Int4Embedding(embedding, group_size))
         report.modules.append(qualified)
-    for parent, name, qualified, linear in selected_linears(context):
-        if not Int4WeightLinear.takes(weight_and_bias(linear)[0], group_size):
+    for parent, name, qualified, linear in linears:
+        if id(linear.weight) in untaken:
             unsuitable.append(qualified)
             continue
         context.changes.set_submodule(parent, name, Int4WeightLinear(linear, group_size))

@@ -246,17 +246,21 @@ def test_layers_the_kernel_cannot_take_stay_in_full_precision(scheme, left, kind
     assert out.shape == (3, ids.shape[1] + 4)
 
 
-def test_int8_leaves_an_embedding_tied_to_a_head_it_cannot_take_and_says_why_nothing_was_quantized():
-    # A hidden size of 72: the int8 kernel cannot take the head's inputs. Before, the tied embedding alone became
-    # int8 and the tie was silently broken (a saved model would reload with other outputs).
+@pytest.mark.parametrize("scheme, size", [("int8", {"hidden_size": 72}),  # a head of 72 inputs
+                                          ("int4", {"vocab_size": 520})])  # a head of 520 outputs
+def test_an_embedding_tied_to_a_head_the_kernel_cannot_take_stays_with_it(scheme, size):
+    # Before, the tied embedding alone was quantized and the tie silently broken (a saved model would reload
+    # with other outputs); now both stay, and the error says why nothing was quantized.
     config = tiny_config("qwen2")
-    config.hidden_size, config.tie_word_embeddings = 72, True
+    config.tie_word_embeddings = True
+    for key, value in size.items():
+        setattr(config, key, value)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     before = state_dict_copy(model)
-    with pytest.raises(hf_accel.PatchError, match=r"every module selected has a shape this scheme's kernel cannot take "
-                                         r"\(model\.embed_tokens, lm_head\); choose another quantize= scheme"):
-        hf_accel.patch(model, quantize="int8", include=["embed_tokens", "lm_head"], speculative=None)
+    with pytest.raises(hf_accel.PatchError, match=r"every module selected has a shape this scheme's kernel cannot "
+                                                  r"take \(model\.embed_tokens, lm_head\); choose another quantize="):
+        hf_accel.patch(model, quantize=scheme, include=["embed_tokens", "lm_head"], speculative=None)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert_same_state(before, state_dict_copy(model))
 
