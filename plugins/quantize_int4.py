@@ -9,8 +9,6 @@ kernel's packed layout is not row-addressable, so a head tied to a quantized emb
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from hf_accel.plugin import (
@@ -28,8 +26,6 @@ from hf_accel.plugin import (
     weight_and_bias,
 )
 from hf_accel_plugins.int4_layers import GROUP_SIZES, Int4Embedding, Int4WeightLinear, bytes_per_weight, kernel_problem
-
-logger = logging.getLogger(__name__)
 
 
 def quantize_int4(context: PatchContext) -> None:
@@ -55,11 +51,7 @@ def quantize_int4(context: PatchContext) -> None:
             continue
         context.changes.set_submodule(parent, name, Int4WeightLinear(linear, group_size))
         report.modules.append(qualified)
-    if unsuitable:
-        report.details["left_in_full_precision"] = unsuitable
-        logger.info("int4: %d modules left in full precision (sizes the int4 kernel cannot take, group_size=%d): %s",
-                    len(unsuitable), group_size, ", ".join(unsuitable[:5]) + (" ..." if len(unsuitable) > 5 else ""))
-    record_quantization(context, f"int4 weights (asymmetric, groups of {group_size}), bf16 activations")
+    record_quantization(context, f"int4 weights (asymmetric, groups of {group_size}), bf16 activations", unsuitable)
 
 
 @hookimpl

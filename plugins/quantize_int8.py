@@ -10,8 +10,6 @@ top-1 tokens on this model; bitsandbytes' and torchao's int8 paths were slower t
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
@@ -29,8 +27,6 @@ from hf_accel.plugin import (
     weight_and_bias,
 )
 from hf_accel_plugins.int8_layers import Int8Embedding, Int8WeightLinear, kernel_problem
-
-logger = logging.getLogger(__name__)
 
 
 def quantize_int8(context: PatchContext) -> None:
@@ -57,11 +53,7 @@ def quantize_int8(context: PatchContext) -> None:
             module.qweight, module.scale = tied.qweight, tied.scale
         context.changes.set_submodule(parent, name, module)
         report.modules.append(qualified)
-    if unsuitable:
-        report.details["left_in_full_precision"] = unsuitable
-        logger.info("int8: %d modules left in full precision (sizes the int8 kernel cannot take): %s",
-                    len(unsuitable), ", ".join(unsuitable[:5]) + (" ..." if len(unsuitable) > 5 else ""))
-    record_quantization(context, "int8 weights (symmetric, per output channel), bf16 activations")
+    record_quantization(context, "int8 weights (symmetric, per output channel), bf16 activations", unsuitable)
 
 
 @hookimpl

@@ -43,12 +43,10 @@ def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
         weight, bias = weight_and_bias(model.get_submodule(qualified))
         linear.weight = nn.Parameter(weight.t() if isinstance(linear, Conv1D) else weight, requires_grad=False)
         linear.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        if in_int4(bits, weight, linear is head, exact_head):
-            setattr(parent, name, Int4WeightLinear(linear, 32))
-        elif Int8WeightLinear.takes(weight):
-            setattr(parent, name, Int8WeightLinear(linear))
-        else:
+        kind = copied_kind(bits, weight, linear is head, exact_head)
+        if kind == "float":
             continue  # neither kernel takes its shape: the layer keeps the target's float weight
+        setattr(parent, name, Int4WeightLinear(linear, 32) if kind == "int4" else Int8WeightLinear(linear))
         linear.weight = linear.bias = None  # the list above still holds the module: free its plain copy now
     for name, tensor in [*draft.named_parameters(), *draft.named_buffers()]:
         if tensor.is_meta:
@@ -60,11 +58,13 @@ def quantized_copy(model: PreTrainedModel, bits: int) -> nn.Module:
     return draft.eval()
 
 
-def in_int4(bits: int, weight: torch.Tensor, is_head: bool, exact_head: bool) -> bool:
-    """Whether a copy's Linear layer of this ``[out, in]`` weight is int4 (else int8): in an int4 copy, where the
-    kernel takes its shape, and for the head only where its best logits are recomputed (alone, an int4 head's
-    rounding costs too many drafts)."""
-    return bits == 4 and (not is_head or exact_head) and Int4WeightLinear.takes(weight, 32)
+def copied_kind(bits: int, weight: torch.Tensor, is_head: bool, exact_head: bool) -> str:
+    """What a copy's Linear layer of this ``[out, in]`` weight becomes: ``"int4"`` in an int4 copy where the
+    kernel takes its shape (the head only where its best logits are recomputed: alone, an int4 head's rounding
+    costs too many drafts), else ``"int8"`` where that kernel takes it, else ``"float"``."""
+    if bits == 4 and (not is_head or exact_head) and Int4WeightLinear.takes(weight, 32):
+        return "int4"
+    return "int8" if Int8WeightLinear.takes(weight) else "float"
 
 
 class TopLogitsExact(nn.Module):
@@ -119,31 +119,28 @@ def draft_bytes(context: PatchContext, bits: int) -> int:
     or holds a packed target layer's unpacked copy), plus the largest layer unpacked and coded while copying."""
     with torch.device("meta"):  # shapes only: the target's own layers may be packed by now
         fresh = type(context.model)(copy.deepcopy(context.model.config))
-    head = fresh.get_output_embeddings()
-    exact_head = TopLogitsExact.rows_of(context.model.get_output_embeddings(), head) is not None
     target = context.model
+    head = fresh.get_output_embeddings()
+    exact_head = TopLogitsExact.rows_of(target.get_output_embeddings(), head) is not None
     layers = [(weight_and_bias(linear)[0], linear is head, target.get_submodule(qualified))
               for _, _, qualified, linear in linear_children(fresh)]
     if not layers:
         return 0
-    held = sum(_copied_bytes(bits, weight, is_head, exact_head, layer, target.dtype)
+    held = sum(_copied_bytes(copied_kind(bits, weight, is_head, exact_head), weight, layer, target.dtype)
                for weight, is_head, layer in layers)
     largest = max(weight.numel() for weight, _, _ in layers)
     return int(held + 8 * largest)  # fp32 plus int32 codes of one layer at a time
 
 
-def _copied_bytes(bits: int, weight: torch.Tensor, is_head: bool, exact_head: bool, target_layer: nn.Module,
-                  dtype: torch.dtype) -> float:
-    """What :func:`quantized_copy` adds for one Linear layer (``weight``: its shape) copied from ``target_layer``."""
-    bias = getattr(target_layer, "bias", None)
-    if in_int4(bits, weight, is_head, exact_head):
-        codes = weight.numel() * int4_bytes_per_weight(32)
-    elif Int8WeightLinear.takes(weight):
-        codes = weight.numel() + 2 * weight.shape[0]  # int8 codes, a bf16 scale per row
-    else:  # kept in float: the target's own weight, or a packed target layer's unpacked copy
+def _copied_bytes(kind: str, weight: torch.Tensor, target_layer: nn.Module, dtype: torch.dtype) -> float:
+    """What :func:`quantized_copy` adds for one Linear layer of this ``kind`` (``weight``: its shape) copied from
+    ``target_layer``."""
+    if kind == "float":  # the target's own weight, or a packed target layer's unpacked copy
         plain = isinstance(getattr(target_layer, "weight", None), torch.Tensor)
         return 0 if plain else weight.numel() * dtype.itemsize
-    return codes + (0 if bias is None else bias.numel() * bias.element_size())
+    bias = getattr(target_layer, "bias", None)
+    codes = weight.numel() * int4_bytes_per_weight(32) if kind == "int4" else weight.numel() + 2 * weight.shape[0]
+    return codes + (0 if bias is None else bias.numel() * bias.element_size())  # int8: a bf16 scale per row
 
 
 def self_draft(context: PatchContext, bits: int) -> nn.Module:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import re
 import sys
 from collections import Counter
@@ -16,6 +17,8 @@ from hf_accel.patching.backends import Option, PatchContext
 
 #: Module types that are a matrix product with a weight: nn.Linear, and GPT-2's Conv1D (weight stored [in, out]).
 LINEAR_TYPES = (nn.Linear, Conv1D)
+
+logger = logging.getLogger(__name__)
 
 
 Child = tuple[nn.Module, str, str, nn.Module]  # (parent, child name, qualified name, child)
@@ -180,14 +183,18 @@ def _select(context: PatchContext, candidates: Iterator[Child], default) -> list
     return chosen
 
 
-def record_quantization(context: PatchContext, scheme: str) -> None:
-    """What every quantization backend does once its modules are replaced: refuse an empty selection, report
-    the bytes after and the scheme, and (unless ``keep_original=True``) free the originals once patch() has
-    succeeded. Set ``context.report.weight_bytes_before`` before replacing anything."""
+def record_quantization(context: PatchContext, scheme: str, left: Sequence[str] = ()) -> None:
+    """What every quantization backend does once its modules are replaced: report the selected modules it
+    ``left`` in full precision (shapes its kernel cannot take), refuse an empty selection, report the bytes
+    after and the scheme, and (unless ``keep_original=True``) free the originals once patch() has succeeded.
+    Set ``context.report.weight_bytes_before`` before replacing anything."""
+    named = ", ".join(left[:5]) + (" ..." if len(left) > 5 else "")
+    if left:
+        context.report.details["left_in_full_precision"] = list(left)
+        logger.info("%s: %d modules left in full precision (shapes its kernel cannot take): %s", scheme, len(left),
+                    named)
     if not context.report.modules:
-        left = context.report.details.get("left_in_full_precision")
         if left:
-            named = ", ".join(left[:5]) + (" ..." if len(left) > 5 else "")
             raise ValueError(f"every module selected has a shape this scheme's kernel cannot take ({named}); "
                              "choose another quantize= scheme or other modules")
         raise ValueError("no module matched; check the include=/skip= patterns")
