@@ -213,6 +213,14 @@ def test_uncovered_generation_modes_fall_back_to_stock(llama, caplog):
     assert "num_beams" in caplog.text
 
 
+def few_token_llama_config(vocab: int) -> LlamaConfig:
+    """A 2-layer llama over ``vocab`` tokens and no special ones, for the distribution tests: few enough tokens
+    that every continuation's exact probability can be computed."""
+    return LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
+                       pad_token_id=None)
+
+
 def exact_continuations(model, prompt: torch.Tensor, mask: torch.Tensor, processors, vocab: int,
                         n: int) -> torch.Tensor:
     """The probability of each of the vocab**n continuations of the left-padded ``prompt`` under ``processors``
@@ -275,9 +283,7 @@ def test_sampling_follows_the_target_at_every_draft_position_and_the_bonus_token
     vocab, rows, new = 4, 2000, 4
     prompts = [torch.tensor([[1, 3, 2, 3]]), torch.tensor([[0, 0, 2, 1]])]  # the second left-padded
     masks = [torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0, 0, 1, 1]])]
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None)
+    config = few_token_llama_config(vocab)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -359,11 +365,10 @@ def test_draft_model_sampling_follows_the_target_distribution(settings):
     """Same check as above with a real draft model's q, which passes the call's processors too (significance
     level 0.001)."""
     vocab, rows, prompt = 6, 3000, torch.tensor([[1, 4, 2, 5]])
-    config = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = few_token_llama_config(vocab)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
-    draft = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    model = LlamaForCausalLM(config).eval()
+    draft = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8)
         draft.lm_head.weight.mul_(4)
@@ -384,10 +389,9 @@ def test_draft_model_sampling_follows_the_target_distribution(settings):
 def test_int4_self_draft_extended_by_lookup_samples_the_target_distribution():
     """Model-drafted tokens carry the copy's q, lookup-appended ones a point mass (significance level 0.001)."""
     vocab, rows, prompt = 6, 3000, torch.tensor([[1, 4, 2, 5, 1, 4, 2, 5]])  # repeats: the lookup extends
-    config = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = few_token_llama_config(vocab)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8)
         first = model(prompt).logits[0, -1].softmax(-1)
