@@ -562,3 +562,31 @@ def test_several_sequences_per_prompt_get_a_cache_with_a_row_each():
     assert torch.equal(model.generate(**kwargs), expected)
     assert list(model._hf_accel_state.compiled_step._caches) == [4]
     assert torch.equal(greedy(model, ids, mask, n=8), greedy(stock, ids, mask, n=8))
+
+
+class FilledCacheLayer:
+    """What a step's graph arguments read of a static cache layer."""
+
+    def __init__(self, filled: int, length: int = 16) -> None:
+        self.keys, self.max_cache_len = torch.zeros(1, 2, length, 4), length
+        self.cumulative_length = torch.tensor(filled)
+
+
+def test_a_steps_layers_called_alike_share_one_cut_of_their_arguments_and_one_filled_otherwise_gets_its_own():
+    arguments, mask, cache = layer_graphs.StepArguments(), torch.randn(1, 1, 3, 16), object()
+    cuts = []
+    for layer in (FilledCacheLayer(5), FilledCacheLayer(5), FilledCacheLayer(7)):
+        hidden = torch.randn(1, 3, 4)
+        kwargs = {"attention_mask": mask, "past_key_values": cache}  # a dict of its own, the step's objects
+        assert arguments.reads_filled_slots(layer, "past_key_values", (hidden,), kwargs)
+        span, args, rest = arguments.graph_arguments(layer, "past_key_values", (hidden,), kwargs, True)
+        expected_span, _, expected = layer_graphs.graph_arguments(layer, "past_key_values", (hidden,), kwargs, True)
+        assert args == (hidden,) and args[0] is hidden and "past_key_values" not in rest
+        assert span.shape == expected_span.shape and torch.equal(rest["attention_mask"], expected["attention_mask"])
+        cuts.append(rest["attention_mask"])
+    assert cuts[0] is cuts[1] and cuts[2] is not cuts[0]
+    assert [cut.shape[-1] for cut in cuts] == [8, 8, 10] and torch.equal(cuts[2], mask[..., :10])
+    # Hidden states passed by name: worked out per call, as before
+    by_name = {"hidden_states": torch.randn(1, 3, 4), "attention_mask": mask, "past_key_values": cache}
+    span, args, rest = arguments.graph_arguments(FilledCacheLayer(5), "past_key_values", (), by_name, True)
+    assert args == () and rest["hidden_states"] is by_name["hidden_states"] and rest["attention_mask"] is not cuts[0]

@@ -7,7 +7,7 @@ import torch
 from conftest import left_padded_batch, make_tiny_model
 
 import hf_accel
-from hf_accel.runtime.graph_calls import StepGuardedCalls, TrustedLayers, Undescribable, signature
+from hf_accel.runtime.graph_calls import StepGuardedCalls, TrustedLayers, Undescribable, signature, step_signature
 from hf_accel.runtime.layer_graphs import _function_named
 
 
@@ -200,6 +200,43 @@ def test_the_signature_tells_apart_what_guards_do_and_refuses_objects():
         assert signature(x) != with_grad
     with pytest.raises(Undescribable):
         signature(object())
+
+
+def test_a_steps_signature_tells_calls_apart_exactly_where_the_full_one_does():
+    """A step's layers share every input but their hidden states and cache tensors (the same objects): those are
+    described once a step, and the verdicts stay those of the full signature."""
+    mask, other_mask, rotary = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 9), (torch.ones(2, 4), torch.ones(2, 4))
+    span, cache = torch.empty(8, 0), (torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4))
+    hidden, one, two = torch.randn(1, 2, 4), 1.0, 2.0  # as a step passes them: the same objects to every layer
+    calls = {  # name -> (hidden states, mask, scale, cache tensors)
+        "first": (hidden, mask, one, cache),
+        "another layer": (torch.randn(1, 2, 4), mask, one, (torch.ones(1, 2, 8, 4), torch.ones(1, 2, 8, 4))),
+        "hidden strides": (torch.randn(1, 4, 2).transpose(1, 2), mask, one, cache),
+        "hidden dtype": (hidden.double(), mask, one, cache),
+        "a mask alike": (hidden, mask.clone(), one, cache),
+        "a longer mask": (hidden, other_mask, one, cache),
+        "another constant": (hidden, mask, two, cache),
+        "cache aliases hidden": (hidden, mask, one, (cache[0], cache[0])),
+        "cache shape": (hidden, mask, one, (torch.zeros(1, 2, 9, 4), cache[1])),
+    }
+
+    def both(step, name):
+        hidden, mask, scale, cache_tensors = calls[name]
+        args, kwargs = (hidden, mask), {"position_embeddings": rotary, "scale": scale}
+        return (step_signature(step, "cache", span, args, kwargs, cache_tensors),
+                signature("cache", span, args, kwargs, cache_tensors))
+
+    step = {}
+    ours, full = zip(*(both(step, name) for name in calls))
+    assert len(step) == 4  # one description per set of shared objects (the mask alike is another object)
+    for i, j in [(i, j) for i in range(len(calls)) for j in range(len(calls))]:
+        assert (ours[i] == ours[j]) == (full[i] == full[j]), (list(calls)[i], list(calls)[j])
+    assert ours[0] == ours[1] and ours[0] == ours[4] and ours[0] != ours[2]  # both kinds of verdict occur
+    with torch.no_grad():
+        assert both(step, "first")[0] != ours[0]
+    # No hidden states first: the full signature
+    assert step_signature({}, "cache", span, (), {"scale": 1.0}, cache) == signature("cache", span, (), {"scale": 1.0},
+                                                                                    cache)
 
 
 def test_a_layer_changed_between_calls_runs_what_it_now_is():

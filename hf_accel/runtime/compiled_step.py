@@ -43,12 +43,11 @@ from hf_accel.runtime.layer_graphs import (
     CompileStats,
     GraphCompiler,
     RegionGraphs,
+    StepArguments,
     compileable,
     describe_failure,
     disagreement,
     eager_layer,
-    graph_arguments,
-    reads_filled_slots,
     separate_symbols,
     side_graph_arguments,
 )
@@ -197,7 +196,7 @@ class CompiledDecodeStep(BucketedCaches):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._installed is None:
             return self.model(*args, **kwargs)
-        run = RegionRun(self)
+        run = RegionRun(self, StepArguments())
         token = ACTIVE_RUN.set(run)
         compiling_before, start = self.stats.compile_seconds, _clock()
         try:
@@ -235,7 +234,7 @@ class CompiledDecodeStep(BucketedCaches):
         if self.stats.failure is not None:
             run.eager_layers += 1
             return eager_layer(region, layer_cache, slot, args, kwargs)
-        shape = shape_class(region, hidden, reads_filled_slots(layer_cache, slot, args, kwargs))
+        shape = shape_class(region, hidden, run.arguments.reads_filled_slots(layer_cache, slot, args, kwargs))
         graphs = self._graphs_for(region.kind)
         if shape in self._compiled:
             return self._run_graph(graphs, shape, run, region, layer_cache, slot, args, kwargs)
@@ -252,7 +251,8 @@ class CompiledDecodeStep(BucketedCaches):
         """The compiled graph (looked up, never compiled here). If it raises, the cache's index is put back,
         the layer runs eagerly, and the step stays eager from then on."""
         misses, written_from = graphs.misses[0], layer_cache.cumulative_length.clone()
-        span, rest_args, rest_kwargs = graph_arguments(layer_cache, slot, args, kwargs, shape.filled_slots)
+        span, rest_args, rest_kwargs = run.arguments.graph_arguments(layer_cache, slot, args, kwargs,
+                                                                     shape.filled_slots)
         try:
             out = graphs.run(run.leads, region.layer, layer_cache, slot, span, *rest_args, **rest_kwargs)
         except Exception as exc:  # an inductor runtime assert, out of memory, ...

@@ -14,14 +14,16 @@ states of one shape. So :class:`StepGuardedCalls` checks the guards in full only
   registration hooks tell) or its ``training`` flips;
 
 and runs the chosen graph's code (dynamo's transformed bytecode, in dynamo's run-only mode as a lookup would)
-for the step's later calls whose inputs match the lead's :func:`signature`. Everything else goes through dynamo's
+for the step's later calls whose inputs match the lead's (:func:`step_signature`: :func:`signature`, with the
+inputs every layer of the step shares described once a step). Everything else goes through dynamo's
 own lookup: calls outside a ``generate`` call, off the CPU (CUDA graphs count dynamo's calls), under a compile or
 a stance other than the default, or with inputs :func:`signature` cannot describe.
 
 What is assumed beyond dynamo's guards: while a call runs, nothing but an assignment the hooks see (or the layer's
 own ``training``) changes what a layer's graph was checked against; a streamer that calls ``model.to(...)``, sets
 ``param.data`` or a plain attribute of a submodule mid-call is not seen, nor another thread changing process-wide
-state such as the default dtype. Between calls every layer is checked in full again.
+state such as the default dtype, nor an input whose shape or strides are changed in place between two layers
+of a step. Between calls every layer is checked in full again.
 
 Example::
 
@@ -74,6 +76,28 @@ def _describe(value: Any, tensors: dict[int, int]) -> Hashable:
     if type(value) is dict:
         return dict, *((key, _describe(item, tensors)) for key, item in value.items())
     raise Undescribable(type(value).__name__)
+
+
+def step_signature(step: dict[Hashable, Any], slot: int | str, span: torch.Tensor | None, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], cache_tensors: tuple[Any, ...]) -> tuple[Hashable, ...]:
+    """:func:`signature` of a layer call's graph inputs, with what every layer of a decode step shares (all but
+    its hidden states, the first argument, and its cache layer's tensors: the same objects for each layer, see
+    :class:`~hf_accel.runtime.layer_graphs.StepArguments`) described once a step and kept in ``step``, the
+    step's own dict. The same information as :func:`signature` (tensors numbered in another order), so two
+    calls get equal signatures exactly when those of their inputs would be equal; assumed, as for the trusted
+    layers, that no input's shape or strides change in place between two layers of a step."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return signature(slot, span, args, kwargs, cache_tensors)
+    shared = ("shared inputs", slot, id(span), tuple(map(id, args[1:])), tuple(kwargs), tuple(map(id, kwargs.values())))
+    described = step.get(shared)
+    if described is None:  # held with the objects themselves, so that their ids stay theirs for the step
+        numbered: dict[int, int] = {}
+        description = tuple(_describe(value, numbered) for value in (slot, span, args[1:], kwargs))
+        described = step[shared] = (description, numbered, (span, args[1:], kwargs))
+    description, numbered, _ = described
+    numbered = dict(numbered)
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), description,
+            _describe(args[0], numbered), _describe(cache_tensors, numbered))
 
 
 def split_cache_layer(layer_cache: Any) -> tuple[tuple[Any, ...], tuple[Hashable, ...]]:
@@ -171,15 +195,16 @@ class StepGuardedCalls:
         self._cells = dict(zip(body.__code__.co_freevars, (cell.cell_contents for cell in body.__closure__ or ())))
         self._functions: dict[types.CodeType, Callable[..., Any]] = {}
 
-    def __call__(self, leads: dict[int, Lead], layer: torch.nn.Module, layer_cache: Any, slot: int | str,
+    def __call__(self, leads: dict[Hashable, Any], layer: torch.nn.Module, layer_cache: Any, slot: int | str,
                  span: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
-        """One layer call of a decode step. ``leads``: the step's own (empty at its start)."""
+        """One layer call of a decode step. ``leads``: the step's own (empty at its start): each kind's lead,
+        and the descriptions of the inputs its calls share."""
         inputs, checked = (layer, layer_cache, slot, span, args, kwargs), self.trusted.current()
         if checked is None or not _direct_calls_allowed(layer_cache):
             return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
         try:
             cache_tensors, cache_constants = split_cache_layer(layer_cache)
-            call_signature = signature(slot, span, args, kwargs, cache_tensors)
+            call_signature = step_signature(leads, slot, span, args, kwargs, cache_tensors)
         except Exception:  # an object, a tensor without strides, a cache layer without attributes
             return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
         lead = leads.get(id(self))

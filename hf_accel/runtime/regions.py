@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextvars
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 from torch import nn
@@ -94,14 +94,15 @@ class RegionRun:
     """One decode step of a compiled step (``ACTIVE_RUN`` while it runs): which layers are its, and whether
     any of them ran eagerly because its shape class has no graph yet."""
 
-    def __init__(self, step: Any) -> None:
+    def __init__(self, step: Any, arguments: Any = None) -> None:
         self.step = step
+        self.arguments = arguments  # the step's layer graph arguments, made once (layer_graphs.StepArguments)
         self.compiled_layers = 0
         self.eager_layers = 0
         self.waiting: set[ShapeClass] = set()  # shape classes whose layers ran eagerly, not compiled (yet)
         self.compiled: set[ShapeClass] = set()  # shape classes whose layers ran their graphs
         self.decisions: dict[ShapeClass, Any] = {}  # the compile policy asked once per class per step
-        self.leads: dict[int, Any] = {}  # each kind's first graph call of the step (see graph_calls)
+        self.leads: dict[Hashable, Any] = {}  # each kind's first graph call, what the calls share (graph_calls)
 
 
 def route(layer: nn.Module) -> Callable[..., Any]:
