@@ -574,7 +574,7 @@ class FilledCacheLayer:
 
 def test_a_steps_layers_called_alike_share_one_cut_of_their_arguments_and_one_filled_otherwise_gets_its_own():
     arguments, mask, cache = layer_graphs.StepArguments(), torch.randn(1, 1, 3, 16), object()
-    cuts = []
+    cuts, spans = [], []
     for layer in (FilledCacheLayer(5), FilledCacheLayer(5), FilledCacheLayer(7)):
         hidden = torch.randn(1, 3, 4)
         kwargs = {"attention_mask": mask, "past_key_values": cache}  # a dict of its own, the step's objects
@@ -584,9 +584,27 @@ def test_a_steps_layers_called_alike_share_one_cut_of_their_arguments_and_one_fi
         assert args == (hidden,) and args[0] is hidden and "past_key_values" not in rest
         assert span.shape == expected_span.shape and torch.equal(rest["attention_mask"], expected["attention_mask"])
         cuts.append(rest["attention_mask"])
-    assert cuts[0] is cuts[1] and cuts[2] is not cuts[0]
+        spans.append(span)
+    assert cuts[0] is cuts[1] and spans[0] is spans[1] and cuts[2] is not cuts[0]
     assert [cut.shape[-1] for cut in cuts] == [8, 8, 10] and torch.equal(cuts[2], mask[..., :10])
     # Hidden states passed by name: worked out per call, as before
     by_name = {"hidden_states": torch.randn(1, 3, 4), "attention_mask": mask, "past_key_values": cache}
     span, args, rest = arguments.graph_arguments(FilledCacheLayer(5), "past_key_values", (), by_name, True)
     assert args == () and rest["hidden_states"] is by_name["hidden_states"] and rest["attention_mask"] is not cuts[0]
+
+
+@pytest.mark.parametrize("filled_slots", [True, False])
+def test_a_cache_passed_by_position_keeps_its_place_and_each_layer_its_own_hidden_states(filled_slots):
+    """As GPT-2 passes it: the cache second, None in its place in the graph's arguments."""
+    arguments, mask, cache = layer_graphs.StepArguments(), torch.randn(1, 1, 3, 16), object()
+    made = []
+    for _ in range(2):
+        hidden = torch.randn(1, 3, 4)
+        span, args, rest = arguments.graph_arguments(FilledCacheLayer(5), 1, (hidden, cache, mask), {}, filled_slots)
+        assert args[0] is hidden and args[1] is None and rest == {}
+        made.append((span, args[2]))
+    assert made[0][0] is made[1][0] and made[0][1] is made[1][1]
+    if filled_slots:
+        assert made[0][0].shape == (8, 0) and torch.equal(made[0][1], mask[..., :8])
+    else:
+        assert made[0][0] is None and made[0][1] is mask

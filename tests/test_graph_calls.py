@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from conftest import left_padded_batch, make_tiny_model
@@ -205,33 +208,45 @@ def test_the_signature_tells_apart_what_guards_do_and_refuses_objects():
 def test_a_steps_signature_tells_calls_apart_exactly_where_the_full_one_does():
     """A step's layers share every input but their hidden states and cache tensors (the same objects): those are
     described once a step, and the verdicts stay those of the full signature."""
-    mask, other_mask, rotary = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 9), (torch.ones(2, 4), torch.ones(2, 4))
-    span, cache = torch.empty(8, 0), (torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4))
+    mask, longer_mask, rotary = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 9), (torch.ones(2, 4), torch.ones(2, 4))
+    span, other_span, cache = torch.empty(8, 0), torch.empty(9, 0), (torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4))
     hidden, one, two = torch.randn(1, 2, 4), 1.0, 2.0  # as a step passes them: the same objects to every layer
-    calls = {  # name -> (hidden states, mask, scale, cache tensors)
-        "first": (hidden, mask, one, cache),
-        "another layer": (torch.randn(1, 2, 4), mask, one, (torch.ones(1, 2, 8, 4), torch.ones(1, 2, 8, 4))),
-        "hidden strides": (torch.randn(1, 4, 2).transpose(1, 2), mask, one, cache),
-        "hidden dtype": (hidden.double(), mask, one, cache),
-        "a mask alike": (hidden, mask.clone(), one, cache),
-        "a longer mask": (hidden, other_mask, one, cache),
-        "another constant": (hidden, mask, two, cache),
-        "cache aliases hidden": (hidden, mask, one, (cache[0], cache[0])),
-        "cache shape": (hidden, mask, one, (torch.zeros(1, 2, 9, 4), cache[1])),
+    calls = {  # name -> (span, hidden states, mask, keyword arguments, cache tensors)
+        "first": (span, hidden, mask, {"rotary": rotary, "scale": one}, cache),
+        "another layer": (span, torch.randn(1, 2, 4), mask, {"rotary": rotary, "scale": one},
+                          (torch.ones(1, 2, 8, 4), torch.ones(1, 2, 8, 4))),
+        "hidden strides": (span, torch.randn(1, 4, 2).transpose(1, 2), mask, {"rotary": rotary, "scale": one}, cache),
+        "hidden dtype": (span, hidden.double(), mask, {"rotary": rotary, "scale": one}, cache),
+        "a mask alike": (span, hidden, mask.clone(), {"rotary": rotary, "scale": one}, cache),
+        "a longer mask": (span, hidden, longer_mask, {"rotary": rotary, "scale": one}, cache),
+        "another span": (other_span, hidden, mask, {"rotary": rotary, "scale": one}, cache),
+        "another constant": (span, hidden, mask, {"rotary": rotary, "scale": two}, cache),
+        "names swapped": (span, hidden, mask, {"scale": rotary, "rotary": one}, cache),
+        "names reordered": (span, hidden, mask, {"scale": one, "rotary": rotary}, cache),
+        "hidden also shared": (span, hidden, mask, {"rotary": rotary, "scale": one, "residual": hidden}, cache),
+        "a fresh one shared": (span, torch.randn(1, 2, 4), mask,
+                               {"rotary": rotary, "scale": one, "residual": torch.randn(1, 2, 4)}, cache),
+        "cache is the mask": (span, hidden, mask, {"rotary": rotary, "scale": one}, (mask, cache[1])),
+        "cache aliases hidden": (span, hidden, mask, {"rotary": rotary, "scale": one}, (cache[0], cache[0])),
+        "cache shape": (span, hidden, mask, {"rotary": rotary, "scale": one}, (torch.zeros(1, 2, 9, 4), cache[1])),
     }
 
     def both(step, name):
-        hidden, mask, scale, cache_tensors = calls[name]
-        args, kwargs = (hidden, mask), {"position_embeddings": rotary, "scale": scale}
-        return (step_signature(step, "cache", span, args, kwargs, cache_tensors),
-                signature("cache", span, args, kwargs, cache_tensors))
+        span, hidden, mask, kwargs, cache_tensors = calls[name]
+        return (step_signature(step, "cache", span, (hidden, mask), kwargs, cache_tensors),
+                signature("cache", span, (hidden, mask), kwargs, cache_tensors))
 
     step = {}
     ours, full = zip(*(both(step, name) for name in calls))
-    assert len(step) == 4  # one description per set of shared objects (the mask alike is another object)
     for i, j in [(i, j) for i in range(len(calls)) for j in range(len(calls))]:
         assert (ours[i] == ours[j]) == (full[i] == full[j]), (list(calls)[i], list(calls)[j])
     assert ours[0] == ours[1] and ours[0] == ours[4] and ours[0] != ours[2]  # both kinds of verdict occur
+    # One description per set of shared objects (a mask alike is another object), holding them: their ids stay
+    # theirs for as long as the step lives.
+    assert len(step) == 9
+    described = weakref.ref(calls.pop("a mask alike")[2])
+    gc.collect()
+    assert described() is not None
     with torch.no_grad():
         assert both(step, "first")[0] != ours[0]
     # No hidden states first: the full signature

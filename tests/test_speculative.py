@@ -365,10 +365,9 @@ def test_draft_model_sampling_follows_the_target_distribution(settings):
     """Same check as above with a real draft model's q, which passes the call's processors too (significance
     level 0.001)."""
     vocab, rows, prompt = 6, 3000, torch.tensor([[1, 4, 2, 5]])
-    config = few_token_llama_config(vocab)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    draft = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(few_token_llama_config(vocab)).eval()  # a config each: patching the target sets its own
+    draft = LlamaForCausalLM(few_token_llama_config(vocab)).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8)
         draft.lm_head.weight.mul_(4)

@@ -254,7 +254,7 @@ class CompiledDecodeStep(BucketedCaches):
         span, rest_args, rest_kwargs = run.arguments.graph_arguments(layer_cache, slot, args, kwargs,
                                                                      shape.filled_slots)
         try:
-            out = graphs.run(run.leads, region.layer, layer_cache, slot, span, *rest_args, **rest_kwargs)
+            out = graphs.run(run.graph_calls, region.layer, layer_cache, slot, span, *rest_args, **rest_kwargs)
         except Exception as exc:  # an inductor runtime assert, out of memory, ...
             layer_cache.cumulative_length.copy_(written_from)  # the eager run rewrites the same slots
             self._fail(f"running the compiled {shape} graph raised {describe_failure(exc)}")

@@ -22,15 +22,16 @@ a stance other than the default, or with inputs :func:`signature` cannot describ
 What is assumed beyond dynamo's guards: while a call runs, nothing but an assignment the hooks see (or the layer's
 own ``training``) changes what a layer's graph was checked against; a streamer that calls ``model.to(...)``, sets
 ``param.data`` or a plain attribute of a submodule mid-call is not seen, nor another thread changing process-wide
-state such as the default dtype, nor an input whose shape or strides are changed in place between two layers
-of a step. Between calls every layer is checked in full again.
+state such as the default dtype. Nor is an input that a step's layers share (the mask, positions, rotary tables,
+an item of a list or dict among them) changed in place between two layers of the step: its description, and a
+mask's cut to the filled slots, are made once a step. Between calls every layer is checked in full again.
 
 Example::
 
     trusted = TrustedLayers()                     # one per compiled step, for all its kinds of layer
     calls = StepGuardedCalls(body, torch._dynamo.run(body), trusted)
     trusted.open()                                # a generate call begins
-    out = calls(leads, layer, layer_cache, slot, span, hidden, **kwargs)   # leads: one dict per step
+    out = calls(step, layer, layer_cache, slot, span, hidden, **kwargs)    # step: one dict per decode step
     trusted.close()                               # it ends: every layer is checked in full again next time
 """
 
@@ -78,24 +79,35 @@ def _describe(value: Any, tensors: dict[int, int]) -> Hashable:
     raise Undescribable(type(value).__name__)
 
 
+def shared_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable | None:
+    """What identifies a layer call's inputs but its hidden states (its first argument, ``[batch, tokens, hidden]``):
+    the objects every decoder layer of a decode step is called with (the mask, positions, rotary tables). None
+    where the hidden states are not the first argument."""
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
+        return None
+    return tuple(map(id, args[1:])), tuple(kwargs), tuple(map(id, kwargs.values()))
+
+
 def step_signature(step: dict[Hashable, Any], slot: int | str, span: torch.Tensor | None, args: tuple[Any, ...],
                    kwargs: dict[str, Any], cache_tensors: tuple[Any, ...]) -> tuple[Hashable, ...]:
     """:func:`signature` of a layer call's graph inputs, with what every layer of a decode step shares (all but
-    its hidden states, the first argument, and its cache layer's tensors: the same objects for each layer, see
+    its hidden states and its cache layer's tensors: the same objects for each layer, see
     :class:`~hf_accel.runtime.layer_graphs.StepArguments`) described once a step and kept in ``step``, the
-    step's own dict. The same information as :func:`signature` (tensors numbered in another order), so two
-    calls get equal signatures exactly when those of their inputs would be equal; assumed, as for the trusted
-    layers, that no input's shape or strides change in place between two layers of a step."""
-    if not args or not isinstance(args[0], torch.Tensor):
+    step's own dict, with those objects (so that their ids stay theirs). The same information as
+    :func:`signature`, its tensors numbered in another order, so two calls' signatures are equal exactly when
+    theirs would be; assumed, as the module says, that the shared inputs are not changed in place between two
+    layers of a step."""
+    shared = shared_inputs(args, kwargs)
+    if shared is None:
         return signature(slot, span, args, kwargs, cache_tensors)
-    shared = ("shared inputs", slot, id(span), tuple(map(id, args[1:])), tuple(kwargs), tuple(map(id, kwargs.values())))
-    described = step.get(shared)
-    if described is None:  # held with the objects themselves, so that their ids stay theirs for the step
+    key = ("described", slot, id(span), shared)
+    described = step.get(key)
+    if described is None:
         numbered: dict[int, int] = {}
         description = tuple(_describe(value, numbered) for value in (slot, span, args[1:], kwargs))
-        described = step[shared] = (description, numbered, (span, args[1:], kwargs))
+        described = step[key] = (description, numbered, (span, args[1:], tuple(kwargs.values())))
     description, numbered, _ = described
-    numbered = dict(numbered)
+    numbered = dict(numbered)  # this call's hidden states and cache tensors are numbered after the shared ones
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), description,
             _describe(args[0], numbered), _describe(cache_tensors, numbered))
 
@@ -195,22 +207,22 @@ class StepGuardedCalls:
         self._cells = dict(zip(body.__code__.co_freevars, (cell.cell_contents for cell in body.__closure__ or ())))
         self._functions: dict[types.CodeType, Callable[..., Any]] = {}
 
-    def __call__(self, leads: dict[Hashable, Any], layer: torch.nn.Module, layer_cache: Any, slot: int | str,
+    def __call__(self, step: dict[Hashable, Any], layer: torch.nn.Module, layer_cache: Any, slot: int | str,
                  span: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
-        """One layer call of a decode step. ``leads``: the step's own (empty at its start): each kind's lead,
-        and the descriptions of the inputs its calls share."""
+        """One layer call of a decode step. ``step``: the step's own dict (empty at its start), where its calls
+        keep each kind's lead and the description of the inputs its layers share."""
         inputs, checked = (layer, layer_cache, slot, span, args, kwargs), self.trusted.current()
         if checked is None or not _direct_calls_allowed(layer_cache):
             return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
         try:
             cache_tensors, cache_constants = split_cache_layer(layer_cache)
-            call_signature = step_signature(leads, slot, span, args, kwargs, cache_tensors)
+            call_signature = step_signature(step, slot, span, args, kwargs, cache_tensors)
         except Exception:  # an object, a tensor without strides, a cache layer without attributes
             return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
-        lead = leads.get(id(self))
+        lead = step.get(id(self))
         chosen = lead is None or lead.signature != call_signature
         if chosen:
-            lead = leads[id(self)] = self._choose(inputs, call_signature)  # the guards in full, as dynamo checks them
+            lead = step[id(self)] = self._choose(inputs, call_signature)  # the guards in full, as dynamo checks them
         if lead.code is None:  # no graph: so for the step's later calls alike, without looking again
             return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
         key = (lead.code, id(layer), layer.training, id(layer_cache), cache_constants)

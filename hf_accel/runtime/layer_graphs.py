@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-from hf_accel.runtime.graph_calls import StepGuardedCalls, TrustedLayers
+from hf_accel.runtime.graph_calls import StepGuardedCalls, TrustedLayers, shared_inputs
 from hf_accel.runtime.regions import (
     FilledLayerView,
     LayerCacheView,
@@ -124,26 +124,19 @@ def graph_arguments(layer_cache: Any, slot: int | str, args: tuple[Any, ...], kw
     return layer_cache.keys.new_empty(filled, 0), rest_args, rest_kwargs
 
 
-def shared_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable | None:
-    """What identifies a layer call's inputs but its hidden states (its first argument): the objects every layer
-    of a decode step is called with (the mask, positions, rotary tables, the cache). None where the hidden states
-    are not the first positional argument."""
-    if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
-        return None
-    return tuple(map(id, args[1:])), tuple(kwargs), tuple(map(id, kwargs.values()))
-
-
 class StepArguments:
     """One decode step's graph arguments (:func:`reads_filled_slots`, :func:`graph_arguments`), worked out once
-    for the layers called with the same inputs but their hidden states: each layer of a step gets the same mask,
-    positions and rotary tables, so the mask is cut and the span made once, and every layer's graph gets the same
-    objects (which :class:`~hf_accel.runtime.graph_calls.StepGuardedCalls` then describes once a step too).
-    One per step: it holds the inputs it has seen, so that their ids stay theirs while it lives."""
+    for the layers called with the same inputs but their hidden states
+    (:func:`~hf_accel.runtime.graph_calls.shared_inputs`): each layer of a step gets the same mask, positions and
+    rotary tables, so the mask is cut and the span made once, and every layer's graph gets the same objects
+    (which :class:`~hf_accel.runtime.graph_calls.StepGuardedCalls` then describes once a step too). Those inputs
+    are assumed not to change in place between two layers of the step. One per step: it holds the inputs it has
+    seen (not the hidden states), so that their ids stay theirs while it lives."""
 
     def __init__(self) -> None:
         self._filled_slots: dict[Hashable, bool] = {}
-        self._arguments: dict[Hashable, tuple[Any, ...]] = {}
-        self._held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self._arguments: dict[Hashable, tuple[Any, ...]] = {}  # the span, the arguments after the hidden states
+        self._held: list[tuple[Any, ...]] = []
 
     def reads_filled_slots(self, layer_cache: Any, slot: int | str, args: tuple[Any, ...],
                            kwargs: dict[str, Any]) -> bool:
@@ -153,7 +146,7 @@ class StepArguments:
         key = (shared, slot, layer_cache.max_cache_len, layer_cache.keys.device)
         if key not in self._filled_slots:
             self._filled_slots[key] = reads_filled_slots(layer_cache, slot, args, kwargs)
-            self._held.append((args[1:], kwargs))
+            self._held.append((args[1:], tuple(kwargs.values())))
         return self._filled_slots[key]
 
     def graph_arguments(self, layer_cache: Any, slot: int | str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -165,13 +158,12 @@ class StepArguments:
         # Each cache layer's own count: the layers of a step are filled alike, but nothing here relies on it.
         filled = int(layer_cache.cumulative_length) + hidden.shape[1] if filled_slots else None
         key = (shared, slot, filled_slots, filled, layer_cache.max_cache_len, keys.dtype, keys.device)
-        made = self._arguments.get(key)
-        if made is None:
-            made = self._arguments[key] = graph_arguments(layer_cache, slot, args, kwargs, filled_slots)
-            self._held.append((args[1:], kwargs))
-            return made
-        span, rest_args, rest_kwargs = made
-        return span, (hidden, *rest_args[1:]), rest_kwargs  # hidden states are never cut (see cut_masks)
+        if key not in self._arguments:
+            span, rest_args, rest_kwargs = graph_arguments(layer_cache, slot, args, kwargs, filled_slots)
+            self._arguments[key] = span, rest_args[1:], rest_kwargs  # hidden states are never cut (see cut_masks)
+            self._held.append((args[1:], tuple(kwargs.values())))
+        span, after_hidden, rest_kwargs = self._arguments[key]
+        return span, (hidden, *after_hidden), rest_kwargs
 
 
 def reads_filled_slots(layer_cache: Any, slot: int | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -94,7 +94,7 @@ class RegionRun:
     """One decode step of a compiled step (``ACTIVE_RUN`` while it runs): which layers are its, and whether
     any of them ran eagerly because its shape class has no graph yet."""
 
-    def __init__(self, step: Any, arguments: Any = None) -> None:
+    def __init__(self, step: Any, arguments: Any) -> None:
         self.step = step
         self.arguments = arguments  # the step's layer graph arguments, made once (layer_graphs.StepArguments)
         self.compiled_layers = 0
@@ -102,7 +102,7 @@ class RegionRun:
         self.waiting: set[ShapeClass] = set()  # shape classes whose layers ran eagerly, not compiled (yet)
         self.compiled: set[ShapeClass] = set()  # shape classes whose layers ran their graphs
         self.decisions: dict[ShapeClass, Any] = {}  # the compile policy asked once per class per step
-        self.leads: dict[Hashable, Any] = {}  # each kind's first graph call, what the calls share (graph_calls)
+        self.graph_calls: dict[Hashable, Any] = {}  # what the step's graph calls keep (graph_calls.StepGuardedCalls)
 
 
 def route(layer: nn.Module) -> Callable[..., Any]:
