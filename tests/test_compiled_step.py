@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import types
+import weakref
 
 import pytest
 import torch
@@ -586,6 +588,11 @@ def test_a_steps_layers_called_alike_share_one_cut_of_their_arguments_and_one_fi
         cuts.append(rest["attention_mask"])
         spans.append(span)
     assert cuts[0] is cuts[1] and spans[0] is spans[1] and cuts[2] is not cuts[0]
+    held = weakref.ref(kwargs.pop("attention_mask"))  # the ids it keys on stay the inputs' while it lives
+    del mask, kwargs
+    gc.collect()
+    assert held() is not None
+    mask = held()
     assert [cut.shape[-1] for cut in cuts] == [8, 8, 10] and torch.equal(cuts[2], mask[..., :10])
     # Hidden states passed by name: worked out per call, as before
     by_name = {"hidden_states": torch.randn(1, 3, 4), "attention_mask": mask, "past_key_values": cache}

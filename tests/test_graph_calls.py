@@ -229,12 +229,16 @@ def test_a_steps_signature_tells_calls_apart_exactly_where_the_full_one_does():
         "cache is the mask": (span, hidden, mask, {"rotary": rotary, "scale": one}, (mask, cache[1])),
         "cache aliases hidden": (span, hidden, mask, {"rotary": rotary, "scale": one}, (cache[0], cache[0])),
         "cache shape": (span, hidden, mask, {"rotary": rotary, "scale": one}, (torch.zeros(1, 2, 9, 4), cache[1])),
+        "cache by position": (span, hidden, mask, {"rotary": rotary, "scale": one}, cache),
+        "a shared tensor by name": (span, hidden, mask, {"rotary": rotary, "scale": one, "bias": torch.zeros(4)},
+                                    cache),
     }
 
     def both(step, name):
         span, hidden, mask, kwargs, cache_tensors = calls[name]
-        return (step_signature(step, "cache", span, (hidden, mask), kwargs, cache_tensors),
-                signature("cache", span, (hidden, mask), kwargs, cache_tensors))
+        slot = 1 if name == "cache by position" else "cache"
+        return (step_signature(step, slot, span, (hidden, mask), kwargs, cache_tensors),
+                signature(slot, span, (hidden, mask), kwargs, cache_tensors))
 
     step = {}
     ours, full = zip(*(both(step, name) for name in calls))
@@ -243,15 +247,18 @@ def test_a_steps_signature_tells_calls_apart_exactly_where_the_full_one_does():
     assert ours[0] == ours[1] and ours[0] == ours[4] and ours[0] != ours[2]  # both kinds of verdict occur
     # One description per set of shared objects (a mask alike is another object), holding them: their ids stay
     # theirs for as long as the step lives.
-    assert len(step) == 9
-    described = weakref.ref(calls.pop("a mask alike")[2])
+    assert len(step) == 11
+    described = [weakref.ref(calls.pop("a mask alike")[2]),
+                 weakref.ref(calls.pop("a shared tensor by name")[3]["bias"])]
     gc.collect()
-    assert described() is not None
+    assert all(ref() is not None for ref in described)
     with torch.no_grad():
         assert both(step, "first")[0] != ours[0]
-    # No hidden states first: the full signature
-    assert step_signature({}, "cache", span, (), {"scale": 1.0}, cache) == signature("cache", span, (), {"scale": 1.0},
-                                                                                    cache)
+    # No hidden states first (none, or not [batch, tokens, hidden]): the full signature, nothing kept
+    for args in [(), (torch.zeros(2, 4), mask)]:
+        empty = {}
+        assert step_signature(empty, "cache", span, args, {"scale": one}, cache) == signature(
+            "cache", span, args, {"scale": one}, cache) and not empty
 
 
 def test_a_layer_changed_between_calls_runs_what_it_now_is():

@@ -23,15 +23,16 @@ What is assumed beyond dynamo's guards: while a call runs, nothing but an assign
 own ``training``) changes what a layer's graph was checked against; a streamer that calls ``model.to(...)``, sets
 ``param.data`` or a plain attribute of a submodule mid-call is not seen, nor another thread changing process-wide
 state such as the default dtype. Nor is an input that a step's layers share (the mask, positions, rotary tables,
-an item of a list or dict among them) changed in place between two layers of the step: its description, and a
-mask's cut to the filled slots, are made once a step. Between calls every layer is checked in full again.
+an item of a list or dict among them, a mask's values) changed in place between two layers of the step: its
+description, whether the layers read only the filled slots, and a mask's cut to them are made once a step.
+Between calls every layer is checked in full again.
 
 Example::
 
     trusted = TrustedLayers()                     # one per compiled step, for all its kinds of layer
     calls = StepGuardedCalls(body, torch._dynamo.run(body), trusted)
     trusted.open()                                # a generate call begins
-    out = calls(step, layer, layer_cache, slot, span, hidden, **kwargs)    # step: one dict per decode step
+    out = calls(per_step, layer, layer_cache, slot, span, hidden, **kwargs)  # per_step: one dict a step
     trusted.close()                               # it ends: every layer is checked in full again next time
 """
 
@@ -88,12 +89,12 @@ def shared_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable | N
     return tuple(map(id, args[1:])), tuple(kwargs), tuple(map(id, kwargs.values()))
 
 
-def step_signature(step: dict[Hashable, Any], slot: int | str, span: torch.Tensor | None, args: tuple[Any, ...],
+def step_signature(per_step: dict[Hashable, Any], slot: int | str, span: torch.Tensor | None, args: tuple[Any, ...],
                    kwargs: dict[str, Any], cache_tensors: tuple[Any, ...]) -> tuple[Hashable, ...]:
     """:func:`signature` of a layer call's graph inputs, with what every layer of a decode step shares (all but
     its hidden states and its cache layer's tensors: the same objects for each layer, see
-    :class:`~hf_accel.runtime.layer_graphs.StepArguments`) described once a step and kept in ``step``, the
-    step's own dict, with those objects (so that their ids stay theirs). The same information as
+    :class:`~hf_accel.runtime.layer_graphs.StepArguments`) described once a step and kept in ``per_step``,
+    the step's own dict, with those objects (so that their ids stay theirs). The same information as
     :func:`signature`, its tensors numbered in another order, so two calls' signatures are equal exactly when
     theirs would be; assumed, as the module says, that the shared inputs are not changed in place between two
     layers of a step."""
@@ -101,11 +102,11 @@ def step_signature(step: dict[Hashable, Any], slot: int | str, span: torch.Tenso
     if shared is None:
         return signature(slot, span, args, kwargs, cache_tensors)
     key = ("described", slot, id(span), shared)
-    described = step.get(key)
+    described = per_step.get(key)
     if described is None:
         numbered: dict[int, int] = {}
         description = tuple(_describe(value, numbered) for value in (slot, span, args[1:], kwargs))
-        described = step[key] = (description, numbered, (span, args[1:], tuple(kwargs.values())))
+        described = per_step[key] = (description, numbered, (span, args[1:], tuple(kwargs.values())))
     description, numbered, _ = described
     numbered = dict(numbered)  # this call's hidden states and cache tensors are numbered after the shared ones
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), description,
@@ -207,22 +208,23 @@ class StepGuardedCalls:
         self._cells = dict(zip(body.__code__.co_freevars, (cell.cell_contents for cell in body.__closure__ or ())))
         self._functions: dict[types.CodeType, Callable[..., Any]] = {}
 
-    def __call__(self, step: dict[Hashable, Any], layer: torch.nn.Module, layer_cache: Any, slot: int | str,
+    def __call__(self, per_step: dict[Hashable, Any], layer: torch.nn.Module, layer_cache: Any, slot: int | str,
                  span: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
-        """One layer call of a decode step. ``step``: the step's own dict (empty at its start), where its calls
-        keep each kind's lead and the description of the inputs its layers share."""
+        """One layer call of a decode step. ``per_step``: the step's own dict (empty at its start), where its
+        calls keep each kind's lead and the description of the inputs its layers share."""
         inputs, checked = (layer, layer_cache, slot, span, args, kwargs), self.trusted.current()
         if checked is None or not _direct_calls_allowed(layer_cache):
             return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
         try:
             cache_tensors, cache_constants = split_cache_layer(layer_cache)
-            call_signature = step_signature(step, slot, span, args, kwargs, cache_tensors)
+            call_signature = step_signature(per_step, slot, span, args, kwargs, cache_tensors)
         except Exception:  # an object, a tensor without strides, a cache layer without attributes
             return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
-        lead = step.get(id(self))
+        lead = per_step.get(id(self))
         chosen = lead is None or lead.signature != call_signature
         if chosen:
-            lead = step[id(self)] = self._choose(inputs, call_signature)  # the guards in full, as dynamo checks them
+            # The guards in full, as dynamo checks them
+            lead = per_step[id(self)] = self._choose(inputs, call_signature)
         if lead.code is None:  # no graph: so for the step's later calls alike, without looking again
             return self.dynamo_run(layer, layer_cache, slot, span, *args, **kwargs)
         key = (lead.code, id(layer), layer.training, id(layer_cache), cache_constants)

@@ -160,7 +160,9 @@ class StepArguments:
         key = (shared, slot, filled_slots, filled, layer_cache.max_cache_len, keys.dtype, keys.device)
         if key not in self._arguments:
             span, rest_args, rest_kwargs = graph_arguments(layer_cache, slot, args, kwargs, filled_slots)
-            self._arguments[key] = span, rest_args[1:], rest_kwargs  # hidden states are never cut (see cut_masks)
+            # Hidden states are never cut (see cut_masks); the caller's dict is not kept (a cache passed by position
+            # leaves it as it was).
+            self._arguments[key] = span, rest_args[1:], dict(rest_kwargs)
             self._held.append((args[1:], tuple(kwargs.values())))
         span, after_hidden, rest_kwargs = self._arguments[key]
         return span, (hidden, *after_hidden), rest_kwargs
