@@ -18,12 +18,10 @@ from hf_accel.plugin import (
     Option,
     PatchContext,
     hookimpl,
+    kernel_selection,
     quantized_bytes,
     record_quantization,
-    selected_embeddings,
-    selected_linears,
     tensor_bytes,
-    weight_and_bias,
 )
 from hf_accel_plugins.int4_layers import GROUP_SIZES, Int4Embedding, Int4WeightLinear, bytes_per_weight, kernel_problem
 
@@ -34,24 +32,15 @@ def quantize_int4(context: PatchContext) -> None:
         raise ValueError(f"group_size={group_size}; the int4 CPU kernel takes one of {GROUP_SIZES}")
     model, report = context.model, context.report
     report.weight_bytes_before = tensor_bytes(model)
-    linears = selected_linears(context)
-    untaken = {id(linear.weight) for *_, linear in linears
-               if not Int4WeightLinear.takes(weight_and_bias(linear)[0], group_size)}
-    unsuitable = []
-    for parent, name, qualified, embedding in selected_embeddings(context):
-        # An embedding tied to a head the kernel cannot take stays too: quantized alone it would untie them.
-        if embedding.embedding_dim % group_size or id(embedding.weight) in untaken:
-            unsuitable.append(qualified)
-            continue
+    embeddings, linears, left = kernel_selection(context, lambda weight: Int4WeightLinear.takes(weight, group_size),
+                                                 lambda embedding: embedding.embedding_dim % group_size == 0)
+    for parent, name, qualified, embedding in embeddings:
         context.changes.set_submodule(parent, name, Int4Embedding(embedding, group_size))
         report.modules.append(qualified)
     for parent, name, qualified, linear in linears:
-        if id(linear.weight) in untaken:
-            unsuitable.append(qualified)
-            continue
         context.changes.set_submodule(parent, name, Int4WeightLinear(linear, group_size))
         report.modules.append(qualified)
-    record_quantization(context, f"int4 weights (asymmetric, groups of {group_size}), bf16 activations", unsuitable)
+    record_quantization(context, f"int4 weights (asymmetric, groups of {group_size}), bf16 activations", left)
 
 
 @hookimpl

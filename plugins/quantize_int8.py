@@ -19,12 +19,10 @@ from hf_accel.plugin import (
     Capabilities,
     PatchContext,
     hookimpl,
+    kernel_selection,
     quantized_bytes,
     record_quantization,
-    selected_embeddings,
-    selected_linears,
     tensor_bytes,
-    weight_and_bias,
 )
 from hf_accel_plugins.int8_layers import Int8Embedding, Int8WeightLinear, kernel_problem
 
@@ -33,27 +31,19 @@ def quantize_int8(context: PatchContext) -> None:
     model, report = context.model, context.report
     report.weight_bytes_before = tensor_bytes(model)
     replaced: dict[int, nn.Module] = {}  # id(original weight) -> its int8 module, to keep ties tied
-    linears = selected_linears(context)
-    untaken = {id(linear.weight) for *_, linear in linears if not Int8WeightLinear.takes(weight_and_bias(linear)[0])}
-    unsuitable = []
-    for parent, name, qualified, embedding in selected_embeddings(context):
-        if id(embedding.weight) in untaken:  # tied to a head the kernel cannot take: both stay, still tied
-            unsuitable.append(qualified)
-            continue
+    embeddings, linears, left = kernel_selection(context, Int8WeightLinear.takes)
+    for parent, name, qualified, embedding in embeddings:
         replaced[id(embedding.weight)] = Int8Embedding(embedding)
         context.changes.set_submodule(parent, name, replaced[id(embedding.weight)])
         report.modules.append(qualified)
     for parent, name, qualified, linear in linears:
-        if id(linear.weight) in untaken:
-            unsuitable.append(qualified)
-            continue
         module = Int8WeightLinear(linear)
         tied = replaced.get(id(linear.weight))
         if tied is not None:  # an output head tied to a quantized embedding shares its int8 table
             module.qweight, module.scale = tied.qweight, tied.scale
         context.changes.set_submodule(parent, name, module)
         report.modules.append(qualified)
-    record_quantization(context, "int8 weights (symmetric, per output channel), bf16 activations", unsuitable)
+    record_quantization(context, "int8 weights (symmetric, per output channel), bf16 activations", left)
 
 
 @hookimpl

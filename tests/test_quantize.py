@@ -8,7 +8,6 @@ import transformers
 from conftest import assert_same_state, left_padded_batch, make_tiny_model, state_dict_copy
 
 import hf_accel
-from hf_accel.testing.models import tiny_config
 from hf_accel_plugins.int4_layers import Int4Embedding, Int4WeightLinear
 from hf_accel_plugins.int8_layers import Int8Embedding, Int8WeightLinear
 
@@ -230,10 +229,7 @@ def test_int4_embedding_and_head_with_a_tied_table():
 ])
 def test_layers_the_kernel_cannot_take_stay_in_full_precision(scheme, left, kind):
     # Before: int4's packer failed the whole patch; int8's kernel gave wrong values or a segmentation fault.
-    config = tiny_config("llama")
-    config.intermediate_size = 136
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = make_tiny_model("llama", intermediate_size=136)
     ids, mask = left_padded_batch(model)
     hf_accel.patch(model, quantize=scheme, compile=None, speculative=None)
     report = hf_accel.report(model)["quantize"]
@@ -251,12 +247,7 @@ def test_layers_the_kernel_cannot_take_stay_in_full_precision(scheme, left, kind
 def test_an_embedding_tied_to_a_head_the_kernel_cannot_take_stays_with_it(scheme, size):
     # Before, the tied embedding alone was quantized and the tie silently broken (a saved model would reload
     # with other outputs); now both stay, and the error says why nothing was quantized.
-    config = tiny_config("qwen2")
-    config.tie_word_embeddings = True
-    for key, value in size.items():
-        setattr(config, key, value)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = make_tiny_model("qwen2", tie_word_embeddings=True, **size)
     before = state_dict_copy(model)
     with pytest.raises(hf_accel.PatchError, match=r"every module selected has a shape this scheme's kernel cannot "
                                                   r"take \(model\.embed_tokens, lm_head\); choose another quantize="):

@@ -11,7 +11,6 @@ import pytest
 import torch
 from conftest import VOCAB, left_padded_batch, make_tiny_model
 from transformers import (
-    AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -26,7 +25,6 @@ from hf_accel.runtime.speculative import loop as speculative_loop
 from hf_accel.runtime.speculative.loop import Draft, DraftLength, accept_sampled
 from hf_accel.runtime.speculative.runner import install_runner
 from hf_accel.testing.checks import chi_square_p_value
-from hf_accel.testing.models import tiny_config
 
 
 class ScriptedDrafter:
@@ -550,10 +548,7 @@ def test_the_int8_heads_rounding_no_longer_decides_the_draft():
 
 
 def _llama_with_layers_the_int4_kernel_cannot_take(vocab: int):
-    config = tiny_config("llama")
-    config.vocab_size, config.intermediate_size = vocab, 136  # MLP sizes the int4 (and int8) kernels cannot take
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return make_tiny_model("llama", vocab_size=vocab, intermediate_size=136)  # MLP sizes int4 (and int8) cannot take
 
 
 @pytest.mark.parametrize("model_of", [lambda: _llama_with_layers_the_int4_kernel_cannot_take(512),

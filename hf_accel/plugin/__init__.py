@@ -38,6 +38,7 @@ from hf_accel.plugin.quantize import (
                                        SavedAsFloat,
                                        children_of_type,
                                        held_outside,
+                                       kernel_selection,
                                        linear_children,
                                        quantized_bytes,
                                        record_quantization,
@@ -67,7 +68,8 @@ __all__ = [
     # attention
     "configs_of", "head_dim", "register_implementation", "set_attention", "transformers_refusal",
     # quantization
-    "SELECTION_OPTIONS", "SavedAsFloat", "children_of_type", "free_weight", "held_outside", "linear_children",
+    "SELECTION_OPTIONS", "SavedAsFloat", "children_of_type", "free_weight", "held_outside", "kernel_selection",
+    "linear_children",
     "quantized_bytes", "record_quantization", "selected_embeddings", "selected_linears", "tensor_bytes",
     "weight_and_bias",
     # caches and the compiled step (what a kv_cache or compile backend installs: a RollbackCache, a DecodeStep)

@@ -7,7 +7,7 @@ import logging
 import re
 import sys
 from collections import Counter
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -167,6 +167,31 @@ def selected_embeddings(context: PatchContext) -> list[Child]:
     """Plain ``nn.Embedding`` tables named by an ``include`` pattern (never by default); subclasses that
     change the lookup (e.g. scaled embeddings) are left alone."""
     return _select(context, children_of_type(context.model, (nn.Embedding,)), default=lambda module: False)
+
+
+def kernel_selection(context: PatchContext, takes_weight: Callable[[torch.Tensor], bool],
+                     takes_embedding: Callable[[nn.Embedding], bool] = lambda embedding: True,
+                     ) -> tuple[list[Child], list[Child], list[str]]:
+    """The selected embeddings and Linear layers a quantization kernel takes, and the qualified names of the
+    selected ones it leaves in full precision (for :func:`record_quantization`). ``takes_weight`` gets a Linear
+    layer's ``[out, in]`` weight; an embedding is left where ``takes_embedding`` refuses it, and where it is tied
+    to a Linear layer left: quantized alone, the tie would break.
+
+    Example::
+
+        embeddings, linears, left = kernel_selection(context, MyLinear.takes)
+    """
+    linears = selected_linears(context)
+    untaken = {id(linear.weight) for *_, linear in linears if not takes_weight(weight_and_bias(linear)[0])}
+    embeddings, left = [], []
+    for child in selected_embeddings(context):
+        embedding = child[3]
+        if takes_embedding(embedding) and id(embedding.weight) not in untaken:
+            embeddings.append(child)
+        else:
+            left.append(child[2])
+    left += [qualified for _, _, qualified, linear in linears if id(linear.weight) in untaken]
+    return embeddings, [child for child in linears if id(child[3].weight) not in untaken], left
 
 
 def _select(context: PatchContext, candidates: Iterator[Child], default) -> list[Child]:

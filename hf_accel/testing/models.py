@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import transformers
 
@@ -34,14 +36,19 @@ PROMPTS: dict[str, tuple[int, ...]] = {
 }
 
 
-def make_tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
-    """A freshly initialised 2-layer model of this architecture, in eval mode, with its own config.
+def make_tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    **config_overrides: Any) -> transformers.PreTrainedModel:
+    """A freshly initialised 2-layer model of this architecture, in eval mode, with its own config
+    (``config_overrides`` set on it first: other sizes, tied embeddings).
 
     Example::
 
         model = make_tiny_model("gemma2")          # sliding window and soft-capping, 512-token vocabulary
+        odd = make_tiny_model("llama", intermediate_size=136)    # an MLP no int4 kernel takes
     """
     config = tiny_config(arch)
+    for name, value in config_overrides.items():
+        setattr(config, name, value)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = config.pad_token_id
