@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import assert_same_state, left_padded_batch, make_tiny_model, state_dict_copy
+from conftest import VOCAB, assert_same_state, left_padded_batch, make_tiny_model, state_dict_copy
 
 import hf_accel
 from hf_accel_plugins.int4_layers import Int4Embedding, Int4WeightLinear
@@ -254,6 +254,21 @@ def test_an_embedding_tied_to_a_head_the_kernel_cannot_take_stays_with_it(scheme
         hf_accel.patch(model, quantize=scheme, include=["embed_tokens", "lm_head"], speculative=None)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert_same_state(before, state_dict_copy(model))
+
+
+@pytest.mark.parametrize("refuse", ["embedding", "head"])
+def test_a_kernel_selection_leaves_both_sides_of_a_tie_whichever_side_the_kernel_refuses(refuse):
+    import types
+
+    from hf_accel.plugin import kernel_selection
+
+    model = make_tiny_model("qwen2", tie_word_embeddings=True)
+    options = {"include": ["embed_tokens", "lm_head", r"layers\.0\.mlp\.up_proj"]}
+    context = types.SimpleNamespace(model=model, option=lambda name, default=None: options.get(name, default))
+    embeddings, linears, left = kernel_selection(context, lambda weight: refuse != "head" or weight.shape[0] != VOCAB,
+                                                 lambda embedding: refuse != "embedding")
+    assert embeddings == [] and [qualified for _, _, qualified, _ in linears] == ["model.layers.0.mlp.up_proj"]
+    assert left == ["model.embed_tokens", "lm_head"]  # embeddings first
 
 
 def test_int4_rejects_a_group_size_the_kernel_cannot_run(llama):

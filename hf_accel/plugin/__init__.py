@@ -15,9 +15,9 @@ What is here, by use:
 - registering: :func:`hookimpl`, :class:`Backend`, :class:`Capabilities`, :class:`Option`, the
   :class:`PatchContext` a backend's functions get, the errors;
 - attention backends: switching a model instance's implementation (:mod:`hf_accel.plugin.attention`);
-- quantization backends: choosing Linear layers, replacing them so they save and load as floats, freeing a
-  weight a copy replaces (:func:`free_weight`), reporting
-  (:mod:`hf_accel.plugin.quantize`);
+- quantization backends: choosing Linear layers (and those a kernel takes: :func:`kernel_selection`),
+  replacing them so they save and load as floats, freeing a weight a copy replaces (:func:`free_weight`),
+  reporting (:mod:`hf_accel.plugin.quantize`);
 - cache and compile backends: what they install (a :class:`RollbackCache`, a :class:`DecodeStep`), the
   preallocated and fixed-length caches, the compiled decode step and the :class:`GraphCompiler` it takes, when
   to compile, where compiled code persists;
@@ -69,9 +69,8 @@ __all__ = [
     "configs_of", "head_dim", "register_implementation", "set_attention", "transformers_refusal",
     # quantization
     "SELECTION_OPTIONS", "SavedAsFloat", "children_of_type", "free_weight", "held_outside", "kernel_selection",
-    "linear_children",
-    "quantized_bytes", "record_quantization", "selected_embeddings", "selected_linears", "tensor_bytes",
-    "weight_and_bias",
+    "linear_children", "quantized_bytes", "record_quantization", "selected_embeddings", "selected_linears",
+    "tensor_bytes", "weight_and_bias",
     # caches and the compiled step (what a kv_cache or compile backend installs: a RollbackCache, a DecodeStep)
     "BF16_CHECK_TOLERANCE", "CHECK_TOLERANCE", "CachedLM", "CompileStore", "CompilePolicy", "CompiledDecodeStep",
     "DecodeStep", "GraphCompiler", "PreallocatedCache", "PreallocatedLayer", "RollbackCache", "RollbackStaticCache",

@@ -173,25 +173,20 @@ def kernel_selection(context: PatchContext, takes_weight: Callable[[torch.Tensor
                      takes_embedding: Callable[[nn.Embedding], bool] = lambda embedding: True,
                      ) -> tuple[list[Child], list[Child], list[str]]:
     """The selected embeddings and Linear layers a quantization kernel takes, and the qualified names of the
-    selected ones it leaves in full precision (for :func:`record_quantization`). ``takes_weight`` gets a Linear
-    layer's ``[out, in]`` weight; an embedding is left where ``takes_embedding`` refuses it, and where it is tied
-    to a Linear layer left: quantized alone, the tie would break.
+    selected ones it leaves in full precision, embeddings first (for :func:`record_quantization`).
+    ``takes_weight`` gets a Linear layer's ``[out, in]`` weight, ``takes_embedding`` an embedding; a module tied
+    to one left is left too: quantized alone, the tie would break.
 
     Example::
 
         embeddings, linears, left = kernel_selection(context, MyLinear.takes)
     """
-    linears = selected_linears(context)
-    untaken = {id(linear.weight) for *_, linear in linears if not takes_weight(weight_and_bias(linear)[0])}
-    embeddings, left = [], []
-    for child in selected_embeddings(context):
-        embedding = child[3]
-        if takes_embedding(embedding) and id(embedding.weight) not in untaken:
-            embeddings.append(child)
-        else:
-            left.append(child[2])
-    left += [qualified for _, _, qualified, linear in linears if id(linear.weight) in untaken]
-    return embeddings, [child for child in linears if id(child[3].weight) not in untaken], left
+    linears, embeddings = selected_linears(context), selected_embeddings(context)
+    untaken = ({id(linear.weight) for *_, linear in linears if not takes_weight(weight_and_bias(linear)[0])}
+               | {id(embedding.weight) for *_, embedding in embeddings if not takes_embedding(embedding)})
+    left = [child[2] for child in (*embeddings, *linears) if id(child[3].weight) in untaken]
+    return ([child for child in embeddings if id(child[3].weight) not in untaken],
+            [child for child in linears if id(child[3].weight) not in untaken], left)
 
 
 def _select(context: PatchContext, candidates: Iterator[Child], default) -> list[Child]:

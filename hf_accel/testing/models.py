@@ -39,7 +39,8 @@ PROMPTS: dict[str, tuple[int, ...]] = {
 def make_tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
                     **config_overrides: Any) -> transformers.PreTrainedModel:
     """A freshly initialised 2-layer model of this architecture, in eval mode, with its own config
-    (``config_overrides`` set on it first: other sizes, tied embeddings).
+    (``config_overrides`` set on it first: other sizes, tied embeddings; set on the built config, so fields it
+    derived, such as ``head_dim`` or ``layer_types``, keep their values).
 
     Example::
 
