@@ -73,6 +73,8 @@ def test_bench_runs_side_by_side_and_writes_json(tiny_model_dir, tmp_path, capsy
     (["bench", "--prompts", "/no/such/file.jsonl"], "No prompts file"),
     (["bench", "--quantize", "int3"], "quantize"),
     (["bench", "--repeat", "0"], "at least 1"),
+    (["bench", "--generate", "top_k=5", "--generate", "top_k=5"], "--generate was given the same settings twice"),
+    (["bench", "--generate", "", "--generate", "top_k=5", "--against", "llama.cpp"], "takes one --generate at most"),
     (["bench", "--cold", "--random-weights"], "--random-weights apply to the steady-state bench, not to --cold"),
     (["bench", "--memory", "--dtype", "bfloat16"], "not to --memory"),
     (["generate", "--prompt", "hi", "--attention", "flashy"], "Unknown attention backend 'flashy'"),
@@ -166,6 +168,62 @@ def test_bench_warm_up_honours_the_calls_min_new_tokens(tiny_model_dir, tmp_path
     assert not [w for w in caught if "min_new_tokens" in str(w.message)]
     rows = json.loads(out.read_text())
     assert {r["config"] for r in rows} == {"stock", "hf_accel patch(speculative=ngram,compile=none)"}
+
+
+def test_bench_runs_each_prompt_under_every_generate_set_in_turn(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Several --generate sets: the runs alternate between them prompt by prompt, each set's rows are held to
+    stock's tokens under the same set, and the summary sets each set's speedup against the first's."""
+    from hf_accel.tools.bench import steady
+
+    order, repeats, real = [], {None: 0, 1: 0}, steady.timed_generate
+
+    def recorded(model, inputs, max_new_tokens, **kwargs):
+        order.append(kwargs.get("no_repeat_ngram_size"))
+        run = real(model, inputs, max_new_tokens, **kwargs)
+        sequence = torch.cat([inputs["input_ids"][0], run.tokens[0]]).tolist()
+        start = inputs["input_ids"].shape[-1]
+        repeats[order[-1]] += sum(token in sequence[:i] for i, token in enumerate(sequence) if i >= start)
+        return run
+
+    monkeypatch.setattr(steady, "timed_generate", recorded)
+    out = tmp_path / "rows.json"
+    assert main(["bench", "--model", str(tiny_model_dir), "--max-new-tokens", "10", "--repeat", "2",
+                 "--configs", "compile=none", "--patch", "speculative=ngram,compile=none",
+                 "--generate", "", "--generate", "repetition_penalty=1.5,no_repeat_ngram_size=1",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    prompts = len(CATEGORIES)
+    assert len(rows) == 2 * 2 * prompts and all(r["identical"] for r in rows)
+    assert {(r["config"], r["settings"]) for r in rows} == {
+        (config, settings) for config in ("stock", "hf_accel patch(speculative=ngram,compile=none)")
+        for settings in ("", "repetition_penalty=1.5,no_repeat_ngram_size=1")}
+    # The settings reached the calls: no_repeat_ngram_size=1 lets no new token repeat an earlier one; plain ones do
+    assert repeats[1] == 0 < repeats[None]
+    # Per configuration: two warm-ups (one per set), then per prompt the sets take turns, run by run
+    timed = [None, 1] * 2 * prompts
+    assert order == [None, 1] + timed + [None, 1] + timed
+    printed = capsys.readouterr().out
+    assert "| config | settings | mean tok/s | speedup (geo-mean) | of the first settings' speedup |" in printed
+    assert "| stock | (none) |" in printed and "| stock | repetition_penalty=1.5,no_repeat_ngram_size=1 |" in printed
+
+
+def test_the_summary_sets_each_settings_speedup_against_the_first_prompt_by_prompt():
+    from hf_accel.tools.bench.steady import Row
+    from hf_accel.tools.bench.tables import summary_table
+
+    def rows(config, settings, rates):
+        return [Row(config=config, group="g", prompt=f"{category}:p", prompt_category=category, tokens=8,
+                    tokens_per_s=rate, tokens_per_s_min=rate, tokens_per_s_max=rate, ttft_s=0.1, warmup_s=0.0,
+                    speedup=rate / 10, settings=settings) for category, rate in zip(CATEGORIES, rates)]
+
+    # ours: 4x, 2x, 3x, 3x plain; 2x, 2x, 3x, 1.5x with the settings -> 0.5, 1, 1, 0.5 -> 0.71x
+    table = summary_table(rows("stock", "", [10.0] * 4) + rows("ours", "", [40.0, 20.0, 30.0, 30.0])
+                          + rows("stock", "rp=1.1", [10.0] * 4) + rows("ours", "rp=1.1", [20.0, 20.0, 30.0, 15.0]))
+    lines = table.splitlines()
+    assert "| ours | (none) | 30.0 | 2.91x | 1.00x | 4/4 | - |" in lines
+    assert "| ours | rp=1.1 | 21.2 | 2.06x | 0.71x | 4/4 | - |" in lines
+    assert "| stock | rp=1.1 | 10.0 | 1.00x | 1.00x | 4/4 | - |" in lines
+    assert "settings" not in summary_table(rows("stock", "rp=1.1", [10.0] * 4))  # one set: no columns for it
 
 
 @pytest.mark.parametrize("settings, prompt, budget, tokens", [

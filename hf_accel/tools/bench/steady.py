@@ -1,7 +1,9 @@
 """``hf-accel bench``: stock, transformers-native and hf_accel configurations side by side, in one process.
 
 Every configuration runs the same prompts with the same ``max_new_tokens``, greedily, on the same model
-object; hf_accel configurations patch it and unpatch it afterwards. This is steady state: hf_accel
+object; hf_accel configurations patch it and unpatch it afterwards. Given several sets of ``generate`` settings
+(:class:`Settings`), each configuration runs every prompt under each set in turn, run by run, so that the sets'
+speeds are measured side by side rather than minutes apart. This is steady state: hf_accel
 configurations compile in their warm-up call (``compile_when="first_use"`` unless the configuration says
 otherwise), and warm-up (and compile) time is reported apart from the timed runs. Start-up, as a short
 script meets it, is ``hf-accel bench --cold`` (:mod:`hf_accel.tools.bench.cold`).
@@ -9,12 +11,13 @@ script meets it, is ``hf-accel bench --cold`` (:mod:`hf_accel.tools.bench.cold`)
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -39,6 +42,15 @@ class BenchConfig:
     patch_kwargs: dict[str, Any] | None = None
     warmup_each_prompt: bool = False  # compiled configurations recompile for each prompt length
 
+
+class Settings(NamedTuple):
+    """``generate`` settings every configuration's calls get (``--generate``), and how tables name them."""
+
+    label: str
+    kwargs: dict[str, Any]
+
+
+NO_SETTINGS = Settings("", {})
 
 #: The configuration name of the llama.cpp rows (``--against llama.cpp``).
 LLAMA_CPP = "llama.cpp (GGUF as shipped)"
@@ -65,6 +77,7 @@ class Row:
     perplexity: float | None = None  # on hf_accel/data/eval.txt; stock and quantized configurations
     weight_mb: float | None = None  # parameters and quantized buffers; stock and quantized configurations
     compile_s: float | None = None  # time spent compiling the decode step, over all of the configuration's calls
+    settings: str = ""  # the label of the generate settings the calls had (:class:`Settings`)
 
 
 def native_static_compile() -> dict[str, Any]:
@@ -130,11 +143,16 @@ def _acceptance(model) -> tuple[int, int]:
 
 def run_bench(model, tokenizer, prompts: list[Prompt], configs: list[BenchConfig], max_new_tokens: int = 128,
               repeat: int = 1, progress: Callable[[str], None] | None = None,
-              llama_cpp_gguf: str | Path | None = None, perplexity: bool = True) -> list[Row]:
+              llama_cpp_gguf: str | Path | None = None, perplexity: bool = True,
+              settings: list[Settings] | None = None) -> list[Row]:
     """Run every configuration on every prompt (then llama.cpp on the GGUF file, if given); rows come back
     with ratios and identity to stock filled in. ``perplexity``: measure it for stock and quantized
-    configurations (it means nothing for random weights)."""
-    session = BenchSession(model, tokenizer, prompts, max_new_tokens, repeat, progress, measure_quality=perplexity)
+    configurations (it means nothing for random weights). ``settings``: the ``generate`` settings sets, each
+    prompt's runs alternating between them (a row per set; ratios and identity against stock's under the same
+    set); llama.cpp's rows stand beside the first set's."""
+    settings = settings or [NO_SETTINGS]
+    session = BenchSession(model, tokenizer, prompts, max_new_tokens, repeat, progress, measure_quality=perplexity,
+                           settings=settings)
     rows = []
     for config in configs:
         try:
@@ -142,16 +160,17 @@ def run_bench(model, tokenizer, prompts: list[Prompt], configs: list[BenchConfig
         except PatchError as exc:  # one configuration that cannot run here costs its rows, not the others'
             print(f"{config.name}: skipped: {error_lines(exc)[0]}", file=sys.stderr)
     if llama_cpp_gguf is not None:
-        rows += run_llama_cpp(llama_cpp_gguf, session.encoded, prompts, max_new_tokens, repeat, session.stock_tokens,
-                              progress)
+        first = {key: tokens for (label, key), tokens in session.stock_tokens.items() if label == settings[0].label}
+        llama_rows = run_llama_cpp(llama_cpp_gguf, session.encoded, prompts, max_new_tokens, repeat, first, progress)
+        rows += [dataclasses.replace(row, settings=settings[0].label) for row in llama_rows]
     _fill_ratios(rows)
     return rows
 
 
 @dataclass
 class BenchSession:
-    """One model's configurations, one after another: the prompts encoded once, stock's tokens kept (the
-    stock configuration runs first) for the identity of the others."""
+    """One model's configurations, one after another: the prompts encoded once, stock's tokens kept per
+    settings set and prompt (the stock configuration runs first) for the identity of the others."""
 
     model: Any
     tokenizer: Any
@@ -160,7 +179,8 @@ class BenchSession:
     repeat: int = 1
     progress: Callable[[str], None] | None = None
     measure_quality: bool = True
-    stock_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+    settings: list[Settings] = field(default_factory=lambda: [NO_SETTINGS])
+    stock_tokens: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.encoded = [encode_chat(self.tokenizer, p.prompt, self.model.device) for p in self.prompts]
@@ -177,12 +197,12 @@ class BenchSession:
             name += _not_applied(self.model, config.patch_kwargs)
         setup = time.perf_counter() - start
         try:
-            warm = _warm_up(self.model, max(self.encoded, key=_prompt_length), config, self.max_new_tokens) + setup
+            warm = self._warm_up(max(self.encoded, key=_prompt_length), config) + setup
             rows = []
             for prompt, inputs in zip(self.prompts, self.encoded):
                 if config.warmup_each_prompt and inputs is not self.encoded[0]:
-                    warm = _warm_up(self.model, inputs, config, self.max_new_tokens)
-                rows.append(self._timed(config, name, prompt, inputs, warm))
+                    warm = self._warm_up(inputs, config)
+                rows += self._timed(config, name, prompt, inputs, warm)
                 warm = 0.0
             peak = rss_mb()
             measured = self.measure_quality and (config.group == "stock" or _quantized(config))
@@ -195,27 +215,44 @@ class BenchSession:
                 unpatch(self.model)
         return rows
 
+    def _warm_up(self, inputs: dict[str, torch.Tensor], config: BenchConfig) -> float:
+        return sum(_warm_up(self.model, inputs, config, self.max_new_tokens, settings.kwargs)
+                   for settings in self.settings)
+
     def _timed(self, config: BenchConfig, name: str, prompt: Prompt, inputs: dict[str, torch.Tensor],
-               warm: float) -> Row:
-        """One prompt's timed runs, as a row (identity and acceptance against what was before)."""
+               warm: float) -> list[Row]:
+        """One prompt's timed runs, the settings sets taking turns: a row per set (identity and acceptance
+        against what was before)."""
         key = f"{prompt.category}:{prompt.name}"
         if self.progress:
             self.progress(f"{config.name} / {key}")
         patched = config.patch_kwargs is not None
-        before = _acceptance(self.model) if patched else (0, 0)
-        runs = [timed_generate(self.model, inputs, self.max_new_tokens, **config.generate_kwargs)
-                for _ in range(self.repeat)]
-        after = _acceptance(self.model) if patched else (0, 0)
-        tokens, speeds = runs[0].tokens, [run.tokens_per_s for run in runs]
-        if config.group == "stock":
-            self.stock_tokens[key] = tokens
-        drafted = after[0] - before[0]
-        return Row(config=name, group=config.group, prompt=key, prompt_category=prompt.category,
-                   tokens=tokens.shape[-1], tokens_per_s=statistics.median(speeds), tokens_per_s_min=min(speeds),
-                   tokens_per_s_max=max(speeds), ttft_s=statistics.median(r.ttft_s for r in runs), warmup_s=warm,
-                   identical=key in self.stock_tokens and torch.equal(tokens, self.stock_tokens[key]),
-                   agreement=_agreement(tokens, self.stock_tokens.get(key)),
-                   acceptance=(after[1] - before[1]) / drafted if drafted else None)
+        runs: dict[str, list[Any]] = {settings.label: [] for settings in self.settings}
+        counts = {settings.label: [0, 0] for settings in self.settings}  # drafted, accepted
+        for _ in range(self.repeat):
+            for settings in self.settings:
+                before = _acceptance(self.model) if patched else (0, 0)
+                runs[settings.label].append(timed_generate(self.model, inputs, self.max_new_tokens,
+                                                           **{**config.generate_kwargs, **settings.kwargs}))
+                after = _acceptance(self.model) if patched else (0, 0)
+                counts[settings.label][0] += after[0] - before[0]
+                counts[settings.label][1] += after[1] - before[1]
+        rows = []
+        for label, timed in runs.items():
+            tokens, speeds = timed[0].tokens, [run.tokens_per_s for run in timed]
+            if config.group == "stock":
+                self.stock_tokens[label, key] = tokens
+            reference = self.stock_tokens.get((label, key))
+            drafted, accepted = counts[label]
+            rows.append(Row(config=name, group=config.group, prompt=key, prompt_category=prompt.category,
+                            tokens=tokens.shape[-1], tokens_per_s=statistics.median(speeds),
+                            tokens_per_s_min=min(speeds), tokens_per_s_max=max(speeds),
+                            ttft_s=statistics.median(r.ttft_s for r in timed), warmup_s=warm,
+                            identical=reference is not None and torch.equal(tokens, reference),
+                            agreement=_agreement(tokens, reference),
+                            acceptance=accepted / drafted if drafted else None, settings=label))
+            warm = 0.0  # the prompt's warm-up, counted once
+        return rows
 
 
 def compile_at_once() -> dict[str, Any]:
@@ -253,14 +290,15 @@ def _quality(model, tokenizer) -> tuple[float, float]:
     return perplexity(model, tokenizer), tensor_bytes(model) / 2**20
 
 
-def _warm_up(model, inputs, config: BenchConfig, max_new_tokens: int) -> float:
-    """Untimed first call(s): compiled configurations compile here. hf_accel's is a whole call on the
+def _warm_up(model, inputs, config: BenchConfig, max_new_tokens: int, settings: dict[str, Any]) -> float:
+    """An untimed first call: compiled configurations compile here. hf_accel's is a whole call on the
     longest prompt, so its fixed-length caches are sized once for every prompt and the speculative loop
     meets most chunk widths."""
     start = time.perf_counter()
+    kwargs = {**config.generate_kwargs, **settings}
     whole = config.warmup_each_prompt or config.patch_kwargs is not None
-    tokens = max_new_tokens if whole else _short_call(config.generate_kwargs, _prompt_length(inputs), max_new_tokens)
-    timed_generate(model, inputs, tokens, **config.generate_kwargs)
+    tokens = max_new_tokens if whole else _short_call(kwargs, _prompt_length(inputs), max_new_tokens)
+    timed_generate(model, inputs, tokens, **kwargs)
     return time.perf_counter() - start
 
 
@@ -333,11 +371,13 @@ def _llama_cpp_once(llm, ids: list[int], max_new_tokens: int) -> tuple[list[int]
 
 
 def _fill_ratios(rows: list[Row]) -> None:
-    stock = {r.prompt: r.tokens_per_s for r in rows if r.group == "stock"}
-    native: dict[str, float] = {}
+    """Each row against stock (and the best native configuration) on the same prompt under the same settings."""
+    stock = {(r.settings, r.prompt): r.tokens_per_s for r in rows if r.group == "stock"}
+    native: dict[tuple[str, str], float] = {}
     for r in rows:
         if r.group == "native":
-            native[r.prompt] = max(native.get(r.prompt, 0.0), r.tokens_per_s)
+            native[r.settings, r.prompt] = max(native.get((r.settings, r.prompt), 0.0), r.tokens_per_s)
     for r in rows:
-        r.speedup = r.tokens_per_s / stock[r.prompt] if r.prompt in stock else float("nan")
-        r.vs_best_native = r.tokens_per_s / native[r.prompt] if r.prompt in native else None
+        key = r.settings, r.prompt
+        r.speedup = r.tokens_per_s / stock[key] if key in stock else float("nan")
+        r.vs_best_native = r.tokens_per_s / native[key] if key in native else None

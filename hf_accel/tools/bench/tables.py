@@ -12,11 +12,13 @@ from hf_accel.tools.prompts import INPUT_GROUNDED
 
 
 def format_table(rows: list[Row]) -> str:
-    header = ("config", "prompt", "tok/s", "min-max", "TTFT s", "warm-up s", "compile s", "vs stock", "vs native",
-              "accept", "peak RSS MB", "identical")
+    several = _several_settings(rows)
+    header = ("config", *(("settings",) if several else ()), "prompt", "tok/s", "min-max", "TTFT s", "warm-up s",
+              "compile s", "vs stock", "vs native", "accept", "peak RSS MB", "identical")
     lines = [header]
     for r in rows:
-        lines.append((r.config, r.prompt, f"{r.tokens_per_s:.1f}", f"{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}",
+        lines.append((r.config, *((_settings_cell(r),) if several else ()), r.prompt, f"{r.tokens_per_s:.1f}",
+                      f"{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}",
                       f"{r.ttft_s:.2f}", f"{r.warmup_s:.1f}", "-" if r.compile_s is None else f"{r.compile_s:.1f}",
                       f"{r.speedup:.2f}x",
                       "-" if r.vs_best_native is None else f"{r.vs_best_native:.2f}x",
@@ -30,24 +32,33 @@ def format_table(rows: list[Row]) -> str:
 
 
 def summary_table(rows: list[Row]) -> str:
-    """Per configuration: geometric-mean speedup over the prompts, and whether every output was identical; with
-    llama.cpp rows, also the geometric mean of each prompt's tok/s over llama.cpp's, over every prompt and over
-    the input-grounded ones (:data:`~hf_accel.tools.prompts.INPUT_GROUNDED`)."""
-    by_config: dict[str, list[Row]] = {}
+    """Per configuration (and settings set): geometric-mean speedup over the prompts, and whether every output
+    was identical; with several settings sets, also each set's speedup over the first set's, the geometric mean of
+    the prompts' ratios (both speedups measured side by side); with llama.cpp rows, also the geometric mean of each
+    prompt's tok/s over llama.cpp's, over every prompt and over the input-grounded ones
+    (:data:`~hf_accel.tools.prompts.INPUT_GROUNDED`)."""
+    by_config: dict[tuple[str, str], list[Row]] = {}
     for r in rows:
-        by_config.setdefault(r.config, []).append(r)
-    llama = {r.prompt: r.tokens_per_s for r in by_config.get(LLAMA_CPP, ())}
+        by_config.setdefault((r.config, r.settings), []).append(r)
+    llama = {r.prompt: r.tokens_per_s for r in rows if r.config == LLAMA_CPP}
     quality = any(r.perplexity is not None for r in rows)
-    head = ("| config | mean tok/s | speedup (geo-mean) | identical | compile s |"
+    several = _several_settings(rows)
+    first = rows[0].settings if rows else ""
+    head = ("| config |" + (" settings |" if several else "") + " mean tok/s | speedup (geo-mean) |"
+            + (" of the first settings' speedup |" if several else "") + " identical | compile s |"
             + (" vs llama.cpp (geo-mean) | input-grounded |" if llama else "")
             + (" perplexity | weights MB |" if quality else ""))
-    lines = [head, "| --- " * (5 + 2 * bool(llama) + 2 * quality) + "|"]
-    for name, group in by_config.items():
+    lines = [head, "| --- " * (5 + 2 * several + 2 * bool(llama) + 2 * quality) + "|"]
+    for (name, _), group in by_config.items():
         geo = statistics.geometric_mean(r.speedup for r in group)
         tps = statistics.mean(r.tokens_per_s for r in group)
         same = sum(r.identical for r in group)
         agreement = [r.agreement for r in group if r.agreement is not None]
-        line = f"| {_cell(name)} | {tps:.1f} | {geo:.2f}x | {same}/{len(group)}"
+        line = f"| {_cell(name)} |" + (f" {_settings_cell(group[0])} |" if several else "")
+        line += f" {tps:.1f} | {geo:.2f}x |"
+        if several:
+            line += f" {_against(group, {r.prompt: r.speedup for r in by_config.get((name, first), ())}, 'speedup')} |"
+        line += f" {same}/{len(group)}"
         line += f" ({statistics.mean(agreement):.0%} of tokens) |" if agreement and same < len(group) else " |"
         line += f" {'-' if group[0].compile_s is None else f'{group[0].compile_s:.1f}'} |"
         if llama:
@@ -60,10 +71,19 @@ def summary_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _against(group: list[Row], reference: dict[str, float]) -> str:
-    """The geometric mean of each row's tok/s over the reference's on the same prompt ("-" with none to compare)."""
-    ratios = [r.tokens_per_s / reference[r.prompt] for r in group if reference.get(r.prompt)]
+def _against(group: list[Row], reference: dict[str, float], field: str = "tokens_per_s") -> str:
+    """The geometric mean of each row's ``field`` over the reference's on the same prompt ("-" with none to
+    compare)."""
+    ratios = [getattr(r, field) / reference[r.prompt] for r in group if reference.get(r.prompt)]
     return f"{statistics.geometric_mean(ratios):.2f}x" if ratios else "-"
+
+
+def _several_settings(rows: list[Row]) -> bool:
+    return len({r.settings for r in rows}) > 1
+
+
+def _settings_cell(row: Row) -> str:
+    return row.settings or "(none)"
 
 
 def _cell(value: object) -> str:
@@ -86,9 +106,11 @@ def plot(rows: list[Row], path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ValueError("--plot needs matplotlib: pip install 'hf_accel[plot]'") from exc
-    configs = list(dict.fromkeys(r.config for r in rows))
+    several = _several_settings(rows)
+    name = (lambda r: f"{r.config} [{_settings_cell(r)}]") if several else (lambda r: r.config)
+    configs = list(dict.fromkeys(map(name, rows)))
     prompts = list(dict.fromkeys(r.prompt for r in rows))
-    speed = {(r.config, r.prompt): r.tokens_per_s for r in rows}
+    speed = {(name(r), r.prompt): r.tokens_per_s for r in rows}
     fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(prompts) * len(configs) / 3), 5))
     width = 0.8 / len(configs)
     for i, config in enumerate(configs):
