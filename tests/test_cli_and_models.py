@@ -73,8 +73,9 @@ def test_bench_runs_side_by_side_and_writes_json(tiny_model_dir, tmp_path, capsy
     (["bench", "--prompts", "/no/such/file.jsonl"], "No prompts file"),
     (["bench", "--quantize", "int3"], "quantize"),
     (["bench", "--repeat", "0"], "at least 1"),
-    (["bench", "--generate", "top_k=5", "--generate", "top_k=5"], "--generate was given the same settings twice"),
-    (["bench", "--generate", "", "--generate", "top_k=5", "--against", "llama.cpp"], "takes one --generate at most"),
+    (["bench", "--generate", "top_k=5,top_p=0.9", "--generate", "top_p=0.9, top_k=5"],
+     "--generate 'top_p=0.9, top_k=5' asks for the same settings as an earlier --generate"),
+    (["bench", "--generate", "top_k=5", "--against", "llama.cpp"], "--against llama.cpp takes no --generate settings"),
     (["bench", "--cold", "--random-weights"], "--random-weights apply to the steady-state bench, not to --cold"),
     (["bench", "--memory", "--dtype", "bfloat16"], "not to --memory"),
     (["generate", "--prompt", "hi", "--attention", "flashy"], "Unknown attention backend 'flashy'"),
@@ -171,8 +172,8 @@ def test_bench_warm_up_honours_the_calls_min_new_tokens(tiny_model_dir, tmp_path
 
 
 def test_bench_runs_each_prompt_under_every_generate_set_in_turn(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """Several --generate sets: the runs alternate between them prompt by prompt, each set's rows are held to
-    stock's tokens under the same set, and the summary sets each set's speedup against the first's."""
+    """Several --generate sets: each prompt's runs alternate between them (ABBA), each set's rows are held to
+    stock's tokens and speed under the same set, and the summary sets each set's speedup against the first's."""
     from hf_accel.tools.bench import steady
 
     order, repeats, real = [], {None: 0, 1: 0}, steady.timed_generate
@@ -199,11 +200,17 @@ def test_bench_runs_each_prompt_under_every_generate_set_in_turn(tiny_model_dir,
         for settings in ("", "repetition_penalty=1.5,no_repeat_ngram_size=1")}
     # The settings reached the calls: no_repeat_ngram_size=1 lets no new token repeat an earlier one; plain ones do
     assert repeats[1] == 0 < repeats[None]
-    # Per configuration: two warm-ups (one per set), then per prompt the sets take turns, run by run
-    timed = [None, 1] * 2 * prompts
+    # Per configuration: a warm-up under each set, then per prompt the sets take turns, the other way each round
+    timed = [None, 1, 1, None] * prompts
     assert order == [None, 1] + timed + [None, 1] + timed
+    stock = {(r["settings"], r["prompt"]): r for r in rows if r["config"] == "stock"}
+    for row in rows:  # against stock under the same set
+        reference = stock[row["settings"], row["prompt"]]
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / reference["tokens_per_s"])
+    firsts = [r for r in rows if r["prompt"] == rows[0]["prompt"]]  # each set's warm-up on its own row
+    assert all(r["warmup_s"] > 0 for r in firsts) and not [r for r in rows if r not in firsts and r["warmup_s"]]
     printed = capsys.readouterr().out
-    assert "| config | settings | mean tok/s | speedup (geo-mean) | of the first settings' speedup |" in printed
+    assert "| config | settings | mean tok/s | speedup (geo-mean) | speedup vs the first set |" in printed
     assert "| stock | (none) |" in printed and "| stock | repetition_penalty=1.5,no_repeat_ngram_size=1 |" in printed
 
 
@@ -218,11 +225,13 @@ def test_the_summary_sets_each_settings_speedup_against_the_first_prompt_by_prom
 
     # ours: 4x, 2x, 3x, 3x plain; 2x, 2x, 3x, 1.5x with the settings -> 0.5, 1, 1, 0.5 -> 0.71x
     table = summary_table(rows("stock", "", [10.0] * 4) + rows("ours", "", [40.0, 20.0, 30.0, 30.0])
-                          + rows("stock", "rp=1.1", [10.0] * 4) + rows("ours", "rp=1.1", [20.0, 20.0, 30.0, 15.0]))
+                          + rows("stock", "rp=1.1", [10.0] * 4) + rows("ours", "rp=1.1", [20.0, 20.0, 30.0, 15.0])
+                          + rows("ours", "a=x|y", [40.0, 20.0, 30.0, 30.0]))
     lines = table.splitlines()
-    assert "| ours | (none) | 30.0 | 2.91x | 1.00x | 4/4 | - |" in lines
+    assert "| ours | (none) | 30.0 | 2.91x | - | 4/4 | - |" in lines
     assert "| ours | rp=1.1 | 21.2 | 2.06x | 0.71x | 4/4 | - |" in lines
     assert "| stock | rp=1.1 | 10.0 | 1.00x | 1.00x | 4/4 | - |" in lines
+    assert "| ours | a=x\\|y | 30.0 | 2.91x | 1.00x | 4/4 | - |" in lines  # a | in a label splits no cell
     assert "settings" not in summary_table(rows("stock", "rp=1.1", [10.0] * 4))  # one set: no columns for it
 
 

@@ -25,7 +25,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def run_bench_command(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from hf_accel.tools.bench.steady import Settings, default_configs, run_bench
+    from hf_accel.tools.bench.steady import GenerateSet, default_configs, run_bench
     from hf_accel.tools.bench.tables import format_table, plot, summary_table, write_json
 
     for flag, mode in ((args.processes is not None, "--processes"), (args.cold, "--cold"), (args.memory, "--memory")):
@@ -51,17 +51,19 @@ def run_bench_command(args: argparse.Namespace) -> int:
     for scheme in quantize:
         check_arguments(quantize=scheme)
     configs = default_configs(available, quantize) + [patch_config(text) for text in args.patch]
-    settings = [Settings(text.strip(), key_values(text, "--generate") if text.strip() else {})
-                for text in args.generate]
-    if len({s.label for s in settings}) < len(settings):
-        raise CLIError(f"--generate was given the same settings twice ({', '.join(args.generate)}): give each set once")
+    generate_sets = [GenerateSet(text.strip(), key_values(text, "--generate") if text.strip() else {})
+                     for text in args.generate]
+    for i, each in enumerate(generate_sets):
+        if any(each.kwargs == earlier.kwargs for earlier in generate_sets[:i]):
+            raise CLIError(f"--generate {each.label!r} asks for the same settings as an earlier --generate: "
+                           "give each set once")
     if args.configs:
         wanted = [w.strip() for w in args.configs.split(",")]
         configs = [c for c in configs if c.group == "stock" or any(w in c.name for w in wanted)]
     if args.against and args.random_weights:
         raise CLIError("--against llama.cpp runs the GGUF's real weights: it cannot be set against --random-weights")
-    if args.against and len(settings) > 1:
-        raise CLIError("--against llama.cpp takes one --generate at most: llama.cpp's calls get no generate settings")
+    if args.against and any(each.kwargs for each in generate_sets):
+        raise CLIError("--against llama.cpp takes no --generate settings: llama.cpp's calls would not get them")
     gguf = gguf_path(args) if args.against else None
     model, tokenizer = load_from_args(args)
     bar = tqdm(total=(len(configs) + bool(gguf)) * len(prompts), desc="bench", unit="run")
@@ -71,7 +73,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         bar.update(1)
 
     rows = run_bench(model, tokenizer, prompts, configs, args.max_new_tokens, args.repeat, progress, gguf,
-                     perplexity=not args.random_weights, settings=settings)
+                     perplexity=not args.random_weights, generate_sets=generate_sets)
     bar.close()
     print(f"\n{summary_table(rows)}\n\n{format_table(rows)}")
     if args.json:

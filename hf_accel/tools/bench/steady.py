@@ -2,8 +2,8 @@
 
 Every configuration runs the same prompts with the same ``max_new_tokens``, greedily, on the same model
 object; hf_accel configurations patch it and unpatch it afterwards. Given several sets of ``generate`` settings
-(:class:`Settings`), each configuration runs every prompt under each set in turn, run by run, so that the sets'
-speeds are measured side by side rather than minutes apart. This is steady state: hf_accel
+(:class:`GenerateSet`), each configuration runs every prompt under each set in turn, run by run, so that the
+sets' speeds are measured side by side rather than minutes apart. This is steady state: hf_accel
 configurations compile in their warm-up call (``compile_when="first_use"`` unless the configuration says
 otherwise), and warm-up (and compile) time is reported apart from the timed runs. Start-up, as a short
 script meets it, is ``hf-accel bench --cold`` (:mod:`hf_accel.tools.bench.cold`).
@@ -43,14 +43,14 @@ class BenchConfig:
     warmup_each_prompt: bool = False  # compiled configurations recompile for each prompt length
 
 
-class Settings(NamedTuple):
-    """``generate`` settings every configuration's calls get (``--generate``), and how tables name them."""
+class GenerateSet(NamedTuple):
+    """``generate`` settings every configuration's calls get (one ``--generate``), and how tables name them."""
 
     label: str
     kwargs: dict[str, Any]
 
 
-NO_SETTINGS = Settings("", {})
+NO_GENERATE_SET = GenerateSet("", {})
 
 #: The configuration name of the llama.cpp rows (``--against llama.cpp``).
 LLAMA_CPP = "llama.cpp (GGUF as shipped)"
@@ -77,7 +77,7 @@ class Row:
     perplexity: float | None = None  # on hf_accel/data/eval.txt; stock and quantized configurations
     weight_mb: float | None = None  # parameters and quantized buffers; stock and quantized configurations
     compile_s: float | None = None  # time spent compiling the decode step, over all of the configuration's calls
-    settings: str = ""  # the label of the generate settings the calls had (:class:`Settings`)
+    settings: str = ""  # the label of the generate settings the calls had (:class:`GenerateSet`)
 
 
 def native_static_compile() -> dict[str, Any]:
@@ -144,15 +144,17 @@ def _acceptance(model) -> tuple[int, int]:
 def run_bench(model, tokenizer, prompts: list[Prompt], configs: list[BenchConfig], max_new_tokens: int = 128,
               repeat: int = 1, progress: Callable[[str], None] | None = None,
               llama_cpp_gguf: str | Path | None = None, perplexity: bool = True,
-              settings: list[Settings] | None = None) -> list[Row]:
+              generate_sets: list[GenerateSet] | None = None) -> list[Row]:
     """Run every configuration on every prompt (then llama.cpp on the GGUF file, if given); rows come back
     with ratios and identity to stock filled in. ``perplexity``: measure it for stock and quantized
-    configurations (it means nothing for random weights). ``settings``: the ``generate`` settings sets, each
-    prompt's runs alternating between them (a row per set; ratios and identity against stock's under the same
-    set); llama.cpp's rows stand beside the first set's."""
-    settings = settings or [NO_SETTINGS]
+    configurations (it means nothing for random weights). ``generate_sets``: each prompt's runs alternate
+    between them (a row per set; ratios and identity against stock's under the same set); llama.cpp's rows stand
+    beside the first set's."""
+    generate_sets = generate_sets or [NO_GENERATE_SET]
+    if len({s.label for s in generate_sets}) < len(generate_sets):
+        raise ValueError(f"two generate sets share a label: {[s.label for s in generate_sets]}")
     session = BenchSession(model, tokenizer, prompts, max_new_tokens, repeat, progress, measure_quality=perplexity,
-                           settings=settings)
+                           generate_sets=generate_sets)
     rows = []
     for config in configs:
         try:
@@ -160,9 +162,10 @@ def run_bench(model, tokenizer, prompts: list[Prompt], configs: list[BenchConfig
         except PatchError as exc:  # one configuration that cannot run here costs its rows, not the others'
             print(f"{config.name}: skipped: {error_lines(exc)[0]}", file=sys.stderr)
     if llama_cpp_gguf is not None:
-        first = {key: tokens for (label, key), tokens in session.stock_tokens.items() if label == settings[0].label}
-        llama_rows = run_llama_cpp(llama_cpp_gguf, session.encoded, prompts, max_new_tokens, repeat, first, progress)
-        rows += [dataclasses.replace(row, settings=settings[0].label) for row in llama_rows]
+        first = generate_sets[0].label
+        stock = {key: tokens for (label, key), tokens in session.stock_tokens.items() if label == first}
+        llama_rows = run_llama_cpp(llama_cpp_gguf, session.encoded, prompts, max_new_tokens, repeat, stock, progress)
+        rows += [dataclasses.replace(row, settings=first) for row in llama_rows]
     _fill_ratios(rows)
     return rows
 
@@ -179,7 +182,7 @@ class BenchSession:
     repeat: int = 1
     progress: Callable[[str], None] | None = None
     measure_quality: bool = True
-    settings: list[Settings] = field(default_factory=lambda: [NO_SETTINGS])
+    generate_sets: list[GenerateSet] = field(default_factory=lambda: [NO_GENERATE_SET])
     stock_tokens: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -197,13 +200,14 @@ class BenchSession:
             name += _not_applied(self.model, config.patch_kwargs)
         setup = time.perf_counter() - start
         try:
-            warm = self._warm_up(max(self.encoded, key=_prompt_length), config) + setup
+            warm = self._warm_ups(max(self.encoded, key=_prompt_length), config)
+            warm[self.generate_sets[0].label] += setup
             rows = []
             for prompt, inputs in zip(self.prompts, self.encoded):
                 if config.warmup_each_prompt and inputs is not self.encoded[0]:
-                    warm = self._warm_up(inputs, config)
+                    warm = self._warm_ups(inputs, config)
                 rows += self._timed(config, name, prompt, inputs, warm)
-                warm = 0.0
+                warm = dict.fromkeys(warm, 0.0)
             peak = rss_mb()
             measured = self.measure_quality and (config.group == "stock" or _quantized(config))
             quality = _quality(self.model, self.tokenizer) if measured else (None, None)
@@ -215,28 +219,30 @@ class BenchSession:
                 unpatch(self.model)
         return rows
 
-    def _warm_up(self, inputs: dict[str, torch.Tensor], config: BenchConfig) -> float:
-        return sum(_warm_up(self.model, inputs, config, self.max_new_tokens, settings.kwargs)
-                   for settings in self.settings)
+    def _warm_ups(self, inputs: dict[str, torch.Tensor], config: BenchConfig) -> dict[str, float]:
+        """A warm-up under each generate set: its seconds by the set's label."""
+        return {each.label: _warm_up(self.model, inputs, config, self.max_new_tokens, each.kwargs)
+                for each in self.generate_sets}
 
     def _timed(self, config: BenchConfig, name: str, prompt: Prompt, inputs: dict[str, torch.Tensor],
-               warm: float) -> list[Row]:
-        """One prompt's timed runs, the settings sets taking turns: a row per set (identity and acceptance
+               warm: dict[str, float]) -> list[Row]:
+        """One prompt's timed runs, the generate sets taking turns: a row per set (identity and acceptance
         against what was before)."""
         key = f"{prompt.category}:{prompt.name}"
         if self.progress:
             self.progress(f"{config.name} / {key}")
         patched = config.patch_kwargs is not None
-        runs: dict[str, list[Any]] = {settings.label: [] for settings in self.settings}
-        counts = {settings.label: [0, 0] for settings in self.settings}  # drafted, accepted
-        for _ in range(self.repeat):
-            for settings in self.settings:
+        runs: dict[str, list[Any]] = {each.label: [] for each in self.generate_sets}
+        counts = {each.label: [0, 0] for each in self.generate_sets}  # drafted, accepted
+        for round_ in range(self.repeat):
+            # Every other round the other way round (ABBA), so a drift of the machine's speed favours no set
+            for each in self.generate_sets if round_ % 2 == 0 else self.generate_sets[::-1]:
                 before = _acceptance(self.model) if patched else (0, 0)
-                runs[settings.label].append(timed_generate(self.model, inputs, self.max_new_tokens,
-                                                           **{**config.generate_kwargs, **settings.kwargs}))
+                runs[each.label].append(timed_generate(self.model, inputs, self.max_new_tokens,
+                                                       **{**config.generate_kwargs, **each.kwargs}))
                 after = _acceptance(self.model) if patched else (0, 0)
-                counts[settings.label][0] += after[0] - before[0]
-                counts[settings.label][1] += after[1] - before[1]
+                counts[each.label][0] += after[0] - before[0]
+                counts[each.label][1] += after[1] - before[1]
         rows = []
         for label, timed in runs.items():
             tokens, speeds = timed[0].tokens, [run.tokens_per_s for run in timed]
@@ -247,11 +253,10 @@ class BenchSession:
             rows.append(Row(config=name, group=config.group, prompt=key, prompt_category=prompt.category,
                             tokens=tokens.shape[-1], tokens_per_s=statistics.median(speeds),
                             tokens_per_s_min=min(speeds), tokens_per_s_max=max(speeds),
-                            ttft_s=statistics.median(r.ttft_s for r in timed), warmup_s=warm,
+                            ttft_s=statistics.median(r.ttft_s for r in timed), warmup_s=warm[label],
                             identical=reference is not None and torch.equal(tokens, reference),
                             agreement=_agreement(tokens, reference),
                             acceptance=accepted / drafted if drafted else None, settings=label))
-            warm = 0.0  # the prompt's warm-up, counted once
         return rows
 
 

@@ -6,6 +6,7 @@ import json
 import statistics
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from hf_accel.tools.bench.steady import LLAMA_CPP, Row
 from hf_accel.tools.prompts import INPUT_GROUNDED
@@ -32,9 +33,10 @@ def format_table(rows: list[Row]) -> str:
 
 
 def summary_table(rows: list[Row]) -> str:
-    """Per configuration (and settings set): geometric-mean speedup over the prompts, and whether every output
-    was identical; with several settings sets, also each set's speedup over the first set's, the geometric mean of
-    the prompts' ratios (both speedups measured side by side); with llama.cpp rows, also the geometric mean of each
+    """Per configuration (and generate set): geometric-mean speedup over the prompts, and whether every output
+    was identical; with several generate sets, also each set's speedup over the first set's (the set of the first
+    row), the geometric mean of the prompts' ratios (both measured side by side); with llama.cpp rows, also the
+    geometric mean of each
     prompt's tok/s over llama.cpp's, over every prompt and over the input-grounded ones
     (:data:`~hf_accel.tools.prompts.INPUT_GROUNDED`)."""
     by_config: dict[tuple[str, str], list[Row]] = {}
@@ -45,19 +47,21 @@ def summary_table(rows: list[Row]) -> str:
     several = _several_settings(rows)
     first = rows[0].settings if rows else ""
     head = ("| config |" + (" settings |" if several else "") + " mean tok/s | speedup (geo-mean) |"
-            + (" of the first settings' speedup |" if several else "") + " identical | compile s |"
+            + (" speedup vs the first set |" if several else "") + " identical | compile s |"
             + (" vs llama.cpp (geo-mean) | input-grounded |" if llama else "")
             + (" perplexity | weights MB |" if quality else ""))
     lines = [head, "| --- " * (5 + 2 * several + 2 * bool(llama) + 2 * quality) + "|"]
-    for (name, _), group in by_config.items():
+    for (name, settings), group in by_config.items():
         geo = statistics.geometric_mean(r.speedup for r in group)
         tps = statistics.mean(r.tokens_per_s for r in group)
         same = sum(r.identical for r in group)
         agreement = [r.agreement for r in group if r.agreement is not None]
-        line = f"| {_cell(name)} |" + (f" {_settings_cell(group[0])} |" if several else "")
+        line = f"| {_cell(name)} |" + (f" {_cell(_settings_cell(group[0]))} |" if several else "")
         line += f" {tps:.1f} | {geo:.2f}x |"
         if several:
-            line += f" {_against(group, {r.prompt: r.speedup for r in by_config.get((name, first), ())}, 'speedup')} |"
+            first_speedups = {r.prompt: r.speedup for r in by_config.get((name, first), ())}
+            vs_first = "-" if settings == first else _against(group, first_speedups, key=lambda r: r.speedup)
+            line += f" {vs_first} |"
         line += f" {same}/{len(group)}"
         line += f" ({statistics.mean(agreement):.0%} of tokens) |" if agreement and same < len(group) else " |"
         line += f" {'-' if group[0].compile_s is None else f'{group[0].compile_s:.1f}'} |"
@@ -71,10 +75,11 @@ def summary_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _against(group: list[Row], reference: dict[str, float], field: str = "tokens_per_s") -> str:
-    """The geometric mean of each row's ``field`` over the reference's on the same prompt ("-" with none to
+def _against(group: list[Row], reference: dict[str, float],
+             key: Callable[[Row], float] = lambda r: r.tokens_per_s) -> str:
+    """The geometric mean of each row's ``key`` over the reference's on the same prompt ("-" with none to
     compare)."""
-    ratios = [getattr(r, field) / reference[r.prompt] for r in group if reference.get(r.prompt)]
+    ratios = [key(r) / reference[r.prompt] for r in group if reference.get(r.prompt)]
     return f"{statistics.geometric_mean(ratios):.2f}x" if ratios else "-"
 
 
