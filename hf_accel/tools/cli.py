@@ -77,9 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--patch", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                        help="add a configuration patch(model, KEY=VALUE, ...); repeatable, e.g. speculative=self_int8")
     bench.add_argument("--generate", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
-                       help="generate() settings for every call, stock and patched (e.g. repetition_penalty=1.1); "
-                            "repeatable: each prompt then runs under every set in turn, and the summary gives each "
-                            "set's speedup over the first's ('' for a set of none)")
+                       help="generate() settings for every call, stock and patched (e.g. repetition_penalty=1.1; "
+                            "'' for none). Repeatable: each prompt then runs under every set in turn, and the summary "
+                            "gives the share of the first set's speedup over stock that each set keeps")
     bench.add_argument("--against", choices=["llama.cpp"], help="also run the GGUF model in llama.cpp")
     bench.add_argument("--json", help="write the rows to this JSON file")
     bench.add_argument("--plot", help="save a bar chart PNG here (needs matplotlib)")

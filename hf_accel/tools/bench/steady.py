@@ -11,11 +11,10 @@ script meets it, is ``hf-accel bench --cold`` (:mod:`hf_accel.tools.bench.cold`)
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -165,7 +164,7 @@ def run_bench(model, tokenizer, prompts: list[Prompt], configs: list[BenchConfig
         first = generate_sets[0].label
         stock = {key: tokens for (label, key), tokens in session.stock_tokens.items() if label == first}
         llama_rows = run_llama_cpp(llama_cpp_gguf, session.encoded, prompts, max_new_tokens, repeat, stock, progress)
-        rows += [dataclasses.replace(row, settings=first) for row in llama_rows]
+        rows += [replace(row, settings=first) for row in llama_rows]
     _fill_ratios(rows)
     return rows
 
@@ -203,10 +202,10 @@ class BenchSession:
             warm = self._warm_ups(max(self.encoded, key=_prompt_length), config)
             warm[self.generate_sets[0].label] += setup
             rows = []
-            for prompt, inputs in zip(self.prompts, self.encoded):
-                if config.warmup_each_prompt and inputs is not self.encoded[0]:
+            for i, (prompt, inputs) in enumerate(zip(self.prompts, self.encoded)):
+                if config.warmup_each_prompt and i:
                     warm = self._warm_ups(inputs, config)
-                rows += self._timed(config, name, prompt, inputs, warm)
+                rows += self._timed(config, name, prompt, inputs, warm, turn=i)
                 warm = dict.fromkeys(warm, 0.0)
             peak = rss_mb()
             measured = self.measure_quality and (config.group == "stock" or _quantized(config))
@@ -225,9 +224,10 @@ class BenchSession:
                 for each in self.generate_sets}
 
     def _timed(self, config: BenchConfig, name: str, prompt: Prompt, inputs: dict[str, torch.Tensor],
-               warm: dict[str, float]) -> list[Row]:
-        """One prompt's timed runs, the generate sets taking turns: a row per set (identity and acceptance
-        against what was before)."""
+               warm: dict[str, float], turn: int = 0) -> list[Row]:
+        """One prompt's timed runs, the generate sets taking turns, the other way round on odd ``turn + round``
+        (ABBA: a drift of the machine's speed favours no set, at any ``repeat``): a row per set (identity and
+        acceptance against what was before)."""
         key = f"{prompt.category}:{prompt.name}"
         if self.progress:
             self.progress(f"{config.name} / {key}")
@@ -235,8 +235,7 @@ class BenchSession:
         runs: dict[str, list[Any]] = {each.label: [] for each in self.generate_sets}
         counts = {each.label: [0, 0] for each in self.generate_sets}  # drafted, accepted
         for round_ in range(self.repeat):
-            # Every other round the other way round (ABBA), so a drift of the machine's speed favours no set
-            for each in self.generate_sets if round_ % 2 == 0 else self.generate_sets[::-1]:
+            for each in self.generate_sets[::-1] if (turn + round_) % 2 else self.generate_sets:
                 before = _acceptance(self.model) if patched else (0, 0)
                 runs[each.label].append(timed_generate(self.model, inputs, self.max_new_tokens,
                                                        **{**config.generate_kwargs, **each.kwargs}))

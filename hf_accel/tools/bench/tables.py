@@ -34,11 +34,10 @@ def format_table(rows: list[Row]) -> str:
 
 def summary_table(rows: list[Row]) -> str:
     """Per configuration (and generate set): geometric-mean speedup over the prompts, and whether every output
-    was identical; with several generate sets, also each set's speedup over the first set's (the set of the first
-    row), the geometric mean of the prompts' ratios (both measured side by side); with llama.cpp rows, also the
-    geometric mean of each
-    prompt's tok/s over llama.cpp's, over every prompt and over the input-grounded ones
-    (:data:`~hf_accel.tools.prompts.INPUT_GROUNDED`)."""
+    was identical. With several generate sets, also the share of the first set's speedup each set keeps: the
+    geometric mean over the prompts of its speedup over the first set's (the first set is the first row's; stock,
+    1.00x by definition, shows "-"). With llama.cpp rows, also the geometric mean of each prompt's tok/s over
+    llama.cpp's, over every prompt and over the input-grounded ones (:data:`~hf_accel.tools.prompts.INPUT_GROUNDED`)."""
     by_config: dict[tuple[str, str], list[Row]] = {}
     for r in rows:
         by_config.setdefault((r.config, r.settings), []).append(r)
@@ -60,7 +59,8 @@ def summary_table(rows: list[Row]) -> str:
         line += f" {tps:.1f} | {geo:.2f}x |"
         if several:
             first_speedups = {r.prompt: r.speedup for r in by_config.get((name, first), ())}
-            vs_first = "-" if settings == first else _against(group, first_speedups, key=lambda r: r.speedup)
+            kept = settings == first or group[0].group == "stock"
+            vs_first = "-" if kept else _against(group, first_speedups, key=lambda r: r.speedup)
             line += f" {vs_first} |"
         line += f" {same}/{len(group)}"
         line += f" ({statistics.mean(agreement):.0%} of tokens) |" if agreement and same < len(group) else " |"
