@@ -59,8 +59,8 @@ def summary_table(rows: list[Row]) -> str:
         line += f" {tps:.1f} | {geo:.2f}x |"
         if several:
             first_speedups = {r.prompt: r.speedup for r in by_config.get((name, first), ())}
-            kept = settings == first or group[0].group == "stock"
-            vs_first = "-" if kept else _against(group, first_speedups, key=lambda r: r.speedup)
+            is_reference = settings == first or group[0].group == "stock"
+            vs_first = "-" if is_reference else _against(group, first_speedups, key=lambda r: r.speedup)
             line += f" {vs_first} |"
         line += f" {same}/{len(group)}"
         line += f" ({statistics.mean(agreement):.0%} of tokens) |" if agreement and same < len(group) else " |"
