@@ -216,28 +216,32 @@ def test_bench_runs_each_prompt_under_every_generate_set_in_turn(tiny_model_dir,
     assert "| stock | (none) |" in printed and "| stock | repetition_penalty=1.5,no_repeat_ngram_size=1 |" in printed
 
 
-def test_the_summary_sets_each_settings_speedup_against_the_first_prompt_by_prompt():
-    from hf_accel.tools.bench.steady import Row, _fill_ratios
-    from hf_accel.tools.bench.tables import summary_table
+def bench_rows(config: str, rates: list[float], settings: str = "") -> list:
+    """Bench rows of ``config``, one per prompt category at these tok/s (ratios not filled in)."""
+    from hf_accel.tools.bench.steady import Row
 
-    def rows(config, settings, rates):
-        return [Row(config=config, group="stock" if config == "stock" else "hf_accel", prompt=f"{category}:p",
-                    prompt_category=category, tokens=8, tokens_per_s=rate, tokens_per_s_min=rate,
-                    tokens_per_s_max=rate, ttft_s=0.1, warmup_s=0.0, settings=settings)
-                for category, rate in zip(CATEGORIES, rates)]
+    return [Row(config=config, group="stock" if config == "stock" else "hf_accel", prompt=f"{category}:p",
+                prompt_category=category, tokens=8, tokens_per_s=rate, tokens_per_s_min=rate, tokens_per_s_max=rate,
+                ttft_s=0.1, warmup_s=0.0, settings=settings)
+            for category, rate in zip(CATEGORIES, rates)]
+
+
+def test_the_summary_sets_each_settings_speedup_against_the_first_prompt_by_prompt():
+    from hf_accel.tools.bench.steady import _fill_ratios
+    from hf_accel.tools.bench.tables import summary_table
 
     # Stock runs at 10 tok/s plain and 5 with the settings. Ours: 4x, 2x, 3x, 3x plain; 4x, 4x, 6x, 3x with the
     # settings (20, 20, 30, 15 tok/s): 1, 2, 2, 1 of the plain speedups -> 1.41x (its tok/s alone: 0.71x)
-    measured = (rows("stock", "", [10.0] * 4) + rows("ours", "", [40.0, 20.0, 30.0, 30.0])
-                + rows("stock", "rp=1.1", [5.0] * 4) + rows("ours", "rp=1.1", [20.0, 20.0, 30.0, 15.0])
-                + rows("stock", "a=x|y", [10.0] * 4) + rows("ours", "a=x|y", [40.0, 20.0, 30.0, 30.0]))
+    measured = (bench_rows("stock", [10.0] * 4) + bench_rows("ours", [40.0, 20.0, 30.0, 30.0])
+                + bench_rows("stock", [5.0] * 4, "rp=1.1") + bench_rows("ours", [20.0, 20.0, 30.0, 15.0], "rp=1.1")
+                + bench_rows("stock", [10.0] * 4, "a=x|y") + bench_rows("ours", [40.0, 20.0, 30.0, 30.0], "a=x|y"))
     _fill_ratios(measured)
     lines = summary_table(measured).splitlines()
     assert "| ours | (none) | 30.0 | 2.91x | - | 4/4 | - |" in lines
     assert "| ours | rp=1.1 | 21.2 | 4.12x | 1.41x | 4/4 | - |" in lines
     assert "| stock | rp=1.1 | 5.0 | 1.00x | - | 4/4 | - |" in lines
     assert "| ours | a=x\\|y | 30.0 | 2.91x | 1.00x | 4/4 | - |" in lines  # a | in a label splits no cell
-    one_set = rows("stock", "rp=1.1", [10.0] * 4)
+    one_set = bench_rows("stock", [10.0] * 4, "rp=1.1")
     _fill_ratios(one_set)
     assert "settings" not in summary_table(one_set)  # one set: no columns for it
 
@@ -295,17 +299,12 @@ def test_bench_labels_a_configuration_whose_feature_was_not_applied():
 
 
 def test_the_summary_sets_each_configuration_against_llama_cpp_prompt_by_prompt():
-    from hf_accel.tools.bench.steady import LLAMA_CPP, Row
+    from hf_accel.tools.bench.steady import LLAMA_CPP
     from hf_accel.tools.bench.tables import summary_table
 
-    def rows(config, rates):
-        return [Row(config=config, group="g", prompt=f"{category}:p", prompt_category=category, tokens=8,
-                    tokens_per_s=rate, tokens_per_s_min=rate, tokens_per_s_max=rate, ttft_s=0.1, warmup_s=0.0)
-                for category, rate in zip(CATEGORIES, rates)]
-
-    fast_on_chat_and_code = rows("ours", [40.0, 40.0, 10.0, 10.0])
-    table = summary_table(rows("stock", [10.0, 10.0, 10.0, 10.0]) + fast_on_chat_and_code
-                          + rows(LLAMA_CPP, [20.0, 20.0, 20.0, 20.0]))
+    fast_on_chat_and_code = bench_rows("ours", [40.0, 40.0, 10.0, 10.0])
+    table = summary_table(bench_rows("stock", [10.0, 10.0, 10.0, 10.0]) + fast_on_chat_and_code
+                          + bench_rows(LLAMA_CPP, [20.0, 20.0, 20.0, 20.0]))
     assert "| vs llama.cpp (geo-mean) | input-grounded |" in table.splitlines()[0]
     # 2x, 2x, 0.5x, 0.5x: 1.00x over every prompt, 0.50x over summarize and edit
     assert "| ours | 25.0 | 1.00x | 4/4 | - | 1.00x | 0.50x |" in table.splitlines()
