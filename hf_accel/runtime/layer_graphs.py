@@ -136,7 +136,7 @@ class StepArguments:
     def __init__(self) -> None:
         self._filled_slots: dict[Hashable, bool] = {}
         self._arguments: dict[Hashable, tuple[Any, ...]] = {}  # the span, the arguments after the hidden states
-        self._held: list[tuple[Any, ...]] = []
+        self._held: dict[Hashable, tuple[Any, ...]] = {}  # shared_inputs' ids -> the objects they are the ids of
 
     def reads_filled_slots(self, layer_cache: Any, slot: int | str, args: tuple[Any, ...],
                            kwargs: dict[str, Any]) -> bool:
@@ -146,7 +146,7 @@ class StepArguments:
         key = (shared, slot, layer_cache.max_cache_len, layer_cache.keys.device)
         if key not in self._filled_slots:
             self._filled_slots[key] = reads_filled_slots(layer_cache, slot, args, kwargs)
-            self._held.append((args[1:], tuple(kwargs.values())))
+            self._hold(shared, args, kwargs)
         return self._filled_slots[key]
 
     def graph_arguments(self, layer_cache: Any, slot: int | str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -163,9 +163,12 @@ class StepArguments:
             # Hidden states are never cut (see cut_masks); the caller's dict is not kept (a cache passed by position
             # leaves it as it was).
             self._arguments[key] = span, rest_args[1:], dict(rest_kwargs)
-            self._held.append((args[1:], tuple(kwargs.values())))
+            self._hold(shared, args, kwargs)
         span, after_hidden, rest_kwargs = self._arguments[key]
         return span, (hidden, *after_hidden), rest_kwargs
+
+    def _hold(self, shared: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._held.setdefault(shared, (args[1:], tuple(kwargs.values())))
 
 
 def reads_filled_slots(layer_cache: Any, slot: int | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
