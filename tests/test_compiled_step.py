@@ -324,11 +324,23 @@ def test_a_graph_that_raises_when_it_runs_falls_back_to_eager_with_the_reason(ll
     monkeypatch.setattr(InductorCompiler, "__call__", breaks_after_its_check)
     ids, mask = left_padded_batch(llama)
     expected = greedy(llama, ids, mask, n=10)
+    before = thread_state()
     hf_accel.patch(llama, **AT_ONCE)
     assert torch.equal(greedy(llama, ids, mask, n=10), expected)  # the cache's index was put back
     details = compile_details(llama)
     assert "running the compiled" in details["failure"] and "out of memory" in details["failure"]
     assert details["compiled_steps"] == 0
+    # The graph ran outside dynamo's own call (graph_calls' direct calls), so nothing of dynamo's restored what
+    # the raise interrupted: the thread is left as it was
+    assert thread_state() == before
+
+
+def thread_state() -> tuple:
+    """What a compiled graph's call may set for the thread and must put back: grad and inference mode, the
+    dispatcher's local key sets, functorch's interpreter stack, dynamo's frame callback."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            repr(torch._C._dispatch_tls_local_include_set()), repr(torch._C._dispatch_tls_local_exclude_set()),
+            torch._C._functorch.peek_interpreter_stack(), torch._C._dynamo.eval_frame.get_eval_frame_callback())
 
 
 def test_calls_the_step_does_not_serve_run_stock(llama):
