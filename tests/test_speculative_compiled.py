@@ -10,6 +10,7 @@ from conftest import left_padded_batch, make_tiny_model
 from test_speculative import DivergingDrafter, ScriptedDrafter, drafter_plugin, greedy
 
 import hf_accel
+from hf_accel.runtime import compiled_step
 from hf_accel.runtime.cached_lm import CachedLM
 from hf_accel.runtime.kv_cache import PreallocatedCache, RollbackStaticCache
 from hf_accel.runtime.speculative import loop as speculative_loop
@@ -146,6 +147,26 @@ def test_a_compiled_int4_self_draft_is_token_identical(arch):
     assert draft["failure"] is None and draft["compiled_steps"] > 0
     details = hf_accel.report(model)["speculative"].details
     assert details["sources"]["model_accepted"] > 0 and details["fallbacks_to_stock"] == 0
+
+
+def test_every_compiled_step_of_a_call_hears_it_end_even_if_one_raises(llama, monkeypatch):
+    """The target's compiled step and the draft's each end the call (closing the layers they trusted for it,
+    learning its length); one raising does not keep the other from it, and the error still reaches the caller."""
+    hf_accel.patch(llama, speculative="ngram_self_int4", compile="inductor")  # compiles later: eager steps here
+    ended = []
+    end_call = compiled_step.CompiledDecodeStep.end_call
+
+    def fails_first(self, tokens):
+        ended.append(self)
+        if len(ended) == 1:
+            raise RuntimeError("the compile store could not be read")
+        end_call(self, tokens)
+
+    monkeypatch.setattr(compiled_step.CompiledDecodeStep, "end_call", fails_first)
+    ids, mask = left_padded_batch(llama)
+    with pytest.raises(RuntimeError, match="compile store"):
+        greedy(llama, ids, mask, max_new_tokens=8)
+    assert len(ended) == 2 and ended[0] is not ended[1]
 
 
 def test_without_compile_the_loop_runs_eagerly_over_the_patch_cache(llama):

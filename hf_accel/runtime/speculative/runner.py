@@ -3,6 +3,7 @@ right caches and compiled forwards, or handed to stock generate with the reason 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -80,8 +81,9 @@ class SpeculativeRunner:
         finally:  # each compiled forward learns how long the call was (its eager seconds per token)
             rows, prompt = (loop.rows, loop.prompt_length) if loop is not None else ((), 0)
             made = max((row.shape[0] for row in rows), default=prompt) - prompt
-            for step in compiled:
-                step.end_call(made)
+            with contextlib.ExitStack() as ending:  # every one of them, even if another's end_call raises
+                for step in compiled:
+                    ending.callback(step.end_call, made)
         with self._counting:
             self.stats.add(loop.stats)
             self.details.update(self.stats.as_details(), draft_length=draft_length.k)
