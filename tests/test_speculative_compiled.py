@@ -149,24 +149,30 @@ def test_a_compiled_int4_self_draft_is_token_identical(arch):
     assert details["sources"]["model_accepted"] > 0 and details["fallbacks_to_stock"] == 0
 
 
-def test_every_compiled_step_of_a_call_hears_it_end_even_if_one_raises(llama, monkeypatch):
+@pytest.mark.parametrize("loop_fails", [False, True], ids=["call made its tokens", "call raised"])
+def test_every_compiled_step_of_a_call_hears_it_end_even_if_one_raises(llama, loop_fails, monkeypatch):
     """The target's compiled step and the draft's each end the call (closing the layers they trusted for it,
-    learning its length); one raising does not keep the other from it, and the error still reaches the caller."""
+    learning its length); one raising does not keep the other from it, and the error reaches the caller chained to
+    the call's own, if it raised."""
     hf_accel.patch(llama, speculative="ngram_self_int4", compile="inductor")  # compiles later: eager steps here
     ended = []
     end_call = compiled_step.CompiledDecodeStep.end_call
 
     def fails_first(self, tokens):
+        end_call(self, tokens)
         ended.append(self)
         if len(ended) == 1:
-            raise RuntimeError("the compile store could not be read")
-        end_call(self, tokens)
+            raise RuntimeError("end_call failed")
 
     monkeypatch.setattr(compiled_step.CompiledDecodeStep, "end_call", fails_first)
+    if loop_fails:
+        monkeypatch.setattr(SelfDrafter, "propose", lambda *args: 1 / 0)  # after both steps began the call
     ids, mask = left_padded_batch(llama)
-    with pytest.raises(RuntimeError, match="compile store"):
+    with pytest.raises(RuntimeError, match="end_call failed") as raised:
         greedy(llama, ids, mask, max_new_tokens=8)
     assert len(ended) == 2 and ended[0] is not ended[1]
+    assert all(step._trusted.current() is None for step in ended)  # both closed what they trusted
+    assert isinstance(raised.value.__context__, ZeroDivisionError) == loop_fails
 
 
 def test_without_compile_the_loop_runs_eagerly_over_the_patch_cache(llama):

@@ -3,7 +3,6 @@ right caches and compiled forwards, or handed to stock generate with the reason 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -78,12 +77,10 @@ class SpeculativeRunner:
                                    draft_processors=plan.draft_processors)
             with torch.no_grad():
                 loop.run(plan.input_ids, plan.attention_mask)
-        finally:  # each compiled forward learns how long the call was (its eager seconds per token)
+        finally:  # each compiled forward closes the layers it trusted for the call and learns how long it was
             rows, prompt = (loop.rows, loop.prompt_length) if loop is not None else ((), 0)
             made = max((row.shape[0] for row in rows), default=prompt) - prompt
-            with contextlib.ExitStack() as ending:  # every one of them, even if another's end_call raises
-                for step in compiled:
-                    ending.callback(step.end_call, made)
+            _end_call(compiled, made)
         with self._counting:
             self.stats.add(loop.stats)
             self.details.update(self.stats.as_details(), draft_length=draft_length.k)
@@ -150,6 +147,19 @@ def object_request_problem(context: PatchContext) -> str | None:
     if isinstance(context.request, (str, bool)):
         return None
     return f"speculative={type(context.request).__name__} asks for a draft-model backend"
+
+
+def _end_call(steps: list[DecodeStep], made: int) -> None:
+    """``end_call`` on every step, in order, each even if one before it raises; then the first error is raised
+    (chained, as a raise in ``finally`` is, to what the call itself raised)."""
+    errors = []
+    for step in steps:
+        try:
+            step.end_call(made)
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def install_runner(context: PatchContext, make_drafter: DrafterFactory, draft_length: DraftLength,
