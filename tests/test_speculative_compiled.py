@@ -10,7 +10,7 @@ from conftest import left_padded_batch, make_tiny_model
 from test_speculative import DivergingDrafter, ScriptedDrafter, drafter_plugin, greedy
 
 import hf_accel
-from hf_accel.runtime import compiled_step
+from hf_accel.runtime import compiled_step, graph_calls
 from hf_accel.runtime.cached_lm import CachedLM
 from hf_accel.runtime.kv_cache import PreallocatedCache, RollbackStaticCache
 from hf_accel.runtime.speculative import loop as speculative_loop
@@ -155,8 +155,8 @@ def test_every_compiled_step_of_a_call_hears_it_end_even_if_one_raises(llama, lo
     learning its length); one raising does not keep the other from it, and the error reaches the caller chained to
     the call's own, if it raised."""
     hf_accel.patch(llama, speculative="ngram_self_int4", compile="inductor")  # compiles later: eager steps here
-    ended = []
-    end_call = compiled_step.CompiledDecodeStep.end_call
+    begun, ended = [], []
+    begin_call, end_call = compiled_step.CompiledDecodeStep.begin_call, compiled_step.CompiledDecodeStep.end_call
 
     def fails_first(self, tokens):
         end_call(self, tokens)
@@ -164,15 +164,18 @@ def test_every_compiled_step_of_a_call_hears_it_end_even_if_one_raises(llama, lo
         if len(ended) == 1:
             raise RuntimeError("end_call failed")
 
+    monkeypatch.setattr(compiled_step.CompiledDecodeStep, "begin_call",
+                        lambda self, new_tokens: (begun.append(self), begin_call(self, new_tokens)))
     monkeypatch.setattr(compiled_step.CompiledDecodeStep, "end_call", fails_first)
     if loop_fails:
         monkeypatch.setattr(SelfDrafter, "propose", lambda *args: 1 / 0)  # after both steps began the call
     ids, mask = left_padded_batch(llama)
     with pytest.raises(RuntimeError, match="end_call failed") as raised:
         greedy(llama, ids, mask, max_new_tokens=8)
-    assert len(ended) == 2 and ended[0] is not ended[1]
-    assert all(step._trusted.current() is None for step in ended)  # both closed what they trusted
-    assert isinstance(raised.value.__context__, ZeroDivisionError) == loop_fails
+    assert len(begun) == 2 and begun[0] is not begun[1] and set(map(id, ended)) == set(map(id, begun))
+    assert not any(step._trusted in graph_calls._open for step in begun)  # none left watching its layers
+    context = raised.value.__context__
+    assert isinstance(context, ZeroDivisionError) if loop_fails else context is None
 
 
 def test_without_compile_the_loop_runs_eagerly_over_the_patch_cache(llama):

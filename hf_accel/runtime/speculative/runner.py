@@ -150,16 +150,13 @@ def object_request_problem(context: PatchContext) -> str | None:
 
 
 def _end_call(steps: list[DecodeStep], made: int) -> None:
-    """``end_call`` on every step, in order, each even if one before it raises; then the first error is raised
-    (chained, as a raise in ``finally`` is, to what the call itself raised)."""
-    errors = []
-    for step in steps:
+    """``end_call`` on every step, in order, each even if one before it raises: nested ``finally`` blocks, so an
+    error keeps its own chain and a later one carries the earlier in it."""
+    if steps:
         try:
-            step.end_call(made)
-        except Exception as exc:
-            errors.append(exc)
-    if errors:
-        raise errors[0]
+            steps[0].end_call(made)
+        finally:
+            _end_call(steps[1:], made)
 
 
 def install_runner(context: PatchContext, make_drafter: DrafterFactory, draft_length: DraftLength,
