@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 import logging
+import pickle
 import re
 
 import pytest
@@ -73,6 +76,22 @@ def test_patch_then_unpatch_restores_state_and_outputs(tiny_model):
     assert hf_accel.unpatch(tiny_model) is tiny_model
     assert_restored(tiny_model, before)
     assert torch.equal(greedy(tiny_model, ids, mask), expected)
+
+
+@pytest.mark.parametrize("copier", ["copy.deepcopy", "pickle.dumps", "torch.save"])
+def test_copying_a_patched_model_says_to_copy_before_patching(llama, copier):
+    ids, mask = left_padded_batch(llama)
+    expected = greedy(llama, ids, mask)
+    copy_it = {"copy.deepcopy": copy.deepcopy, "pickle.dumps": pickle.dumps,
+               "torch.save": lambda model: torch.save(model, io.BytesIO())}[copier]
+    hf_accel.patch(llama)
+    with pytest.raises(TypeError, match=r"patched LlamaForCausalLM cannot be copied or pickled.*before "
+                                        r"hf_accel\.patch.*hf_accel\.unpatch.*save_pretrained"):
+        copy_it(llama)
+    assert torch.equal(greedy(llama, ids, mask), expected)  # the failed copy left the patched model working
+    hf_accel.unpatch(llama)
+    copy_it(llama)
+    assert torch.equal(greedy(copy.deepcopy(llama), ids, mask), expected)
 
 
 def test_patch_twice_with_the_same_arguments_is_a_logged_no_op(llama, caplog):

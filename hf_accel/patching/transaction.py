@@ -3,6 +3,7 @@ every change recorded so that a failure, or ``unpatch``, puts the model back exa
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Mapping
 
@@ -207,9 +208,20 @@ class Transaction:
         changes.setattr(self.model, STATE_ATTR, self.state)
         patched = make_patched_generate(self.model, self.state.original_generate)
         changes.setattr(self.model, "generate", patched)
+        # copy.deepcopy, pickle and torch.save(model) look these up on the instance first
+        refuse_copy = functools.partial(_refuse_copy, type(self.model).__name__)
+        changes.setattr(self.model, "__deepcopy__", refuse_copy)
+        changes.setattr(self.model, "__reduce_ex__", refuse_copy)
 
     def rollback(self) -> None:
         undo_all(self.state.changes)
+
+
+def _refuse_copy(model_class: str, *_: Any) -> None:
+    raise TypeError(
+        f"hf_accel: a patched {model_class} cannot be copied or pickled: its patch holds compiled graphs, caches "
+        "and plugins that belong to this instance. Copy the model before hf_accel.patch and patch the copy, or "
+        "call hf_accel.unpatch(model) first; to store the model, use model.save_pretrained(...).")
 
 
 def _refusal(backend: Backend, verification: Verification, what_to_do: str) -> VerificationError:
