@@ -23,6 +23,7 @@ import hf_accel
 from hf_accel import Backend, hookimpl
 from hf_accel.runtime.speculative import loop as speculative_loop
 from hf_accel.runtime.speculative.loop import Draft, DraftLength, accept_sampled
+from hf_accel.runtime.speculative.plan import RIGHT_PADDED
 from hf_accel.runtime.speculative.runner import install_runner
 from hf_accel.testing.checks import chi_square_p_value
 
@@ -209,6 +210,21 @@ def test_uncovered_generation_modes_fall_back_to_stock(llama, caplog):
         out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=2, do_sample=False)
     assert torch.equal(out, expected) and stats(llama)["fallbacks_to_stock"] == 1
     assert "num_beams" in caplog.text
+
+
+def test_a_right_padded_batch_runs_stock_generate_and_says_to_pad_on_the_left(tiny_model, caplog):
+    ids, mask = left_padded_batch(tiny_model)
+    # The same rows padded on the right, as a tokenizer with padding_side="right" pads them: stock generate
+    # continues each row's positions from its last column, a pad's, where the loop counts the row's tokens.
+    shifts = [int(n) - mask.shape[1] for n in mask.sum(-1)]
+    ids = torch.stack([row.roll(shift) for row, shift in zip(ids, shifts)])
+    mask = torch.stack([row.roll(shift) for row, shift in zip(mask, shifts)])
+    expected = greedy(tiny_model, ids, mask, max_new_tokens=16)
+    hf_accel.patch(tiny_model, compile=None, speculative="ngram")
+    with caplog.at_level("WARNING", logger="hf_accel"):
+        assert torch.equal(greedy(tiny_model, ids, mask, max_new_tokens=16), expected)
+    assert list(stats(tiny_model)["fallback_reasons"]) == [RIGHT_PADDED.reason]
+    assert "padding_side='left'" in caplog.text
 
 
 def few_token_llama_config(vocab: int) -> LlamaConfig:

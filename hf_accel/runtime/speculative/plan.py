@@ -46,6 +46,11 @@ _STOCK_RAISES_FOR_POSITIONAL = Fallback("positional arguments stock generate has
                                         "for them)", "pass generate's arguments by name", stock_raises=True)
 _STOCK_RAISES_FOR_MODEL_KWARGS = Fallback("generate arguments the model does not take (stock generate raises "
                                           "for them)", "fix the argument's name", stock_raises=True)
+#: transformers continues each row's position ids from its prompt's last column; where that is padding, stock's
+#: positions are no count of the row's tokens, which is what the loop's cache numbers them by.
+RIGHT_PADDED = Fallback("a prompt padded on the right (a row ends in padding; transformers warns that decoder-only "
+                        "models generate wrongly from it)",
+                        "pad prompts on the left (tokenizer.padding_side='left'), as transformers asks")
 _NOT_COVERED = ("synced_gpus", "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
                 "custom_generate", "assistant_tokenizer")
 
@@ -102,6 +107,8 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     if attention_mask is None:
         attention_mask = _infer_attention_mask(input_ids, config)
+    if bool((attention_mask[:, -1] == 0).any()):
+        return RIGHT_PADDED
     if config.num_return_sequences > 1:
         if not config.do_sample:  # stock refuses it without beams; let it say so
             return _STOCK_RAISES_FOR_SEQUENCES
