@@ -227,6 +227,18 @@ def test_a_right_padded_batch_runs_stock_generate_and_says_to_pad_on_the_left(ti
     assert "padding_side='left'" in caplog.text
 
 
+@pytest.mark.parametrize("copies", [0, -1])
+def test_num_return_sequences_below_one_gives_one_row_per_prompt_as_stock(llama, copies):
+    ids, mask = left_padded_batch(llama)
+    expected = greedy(llama, ids, mask, max_new_tokens=12, num_return_sequences=copies)
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    assert torch.equal(greedy(llama, ids, mask, max_new_tokens=12, num_return_sequences=copies), expected)
+    sampled = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=True,
+                             num_return_sequences=copies)
+    assert sampled.shape[0] == ids.shape[0] and torch.equal(sampled[:, :ids.shape[1]], ids)
+    assert stats(llama)["fallbacks_to_stock"] == 0
+
+
 def few_token_llama_config(vocab: int) -> LlamaConfig:
     """A 2-layer llama over ``vocab`` tokens and no special ones, for the distribution tests: few enough tokens
     that every continuation's exact probability can be computed."""

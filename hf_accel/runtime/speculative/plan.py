@@ -109,11 +109,12 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         attention_mask = _infer_attention_mask(input_ids, config)
     if bool((attention_mask[:, -1] == 0).any()):
         return RIGHT_PADDED
-    if config.num_return_sequences > 1:
+    copies = max(1, config.num_return_sequences)  # stock expands by max(num_beams, num_return_sequences)
+    if copies > 1:
         if not config.do_sample:  # stock refuses it without beams; let it say so
             return _STOCK_RAISES_FOR_SEQUENCES
-        input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
-        attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
+        input_ids = input_ids.repeat_interleave(copies, dim=0)
+        attention_mask = attention_mask.repeat_interleave(copies, dim=0)
     one_row = _one_row(config)
     if extra["streamer"] is not None and input_ids.shape[0] > 1:
         return Fallback("a streamer with batch > 1 (streamers take one row)", one_row + " when streaming")
@@ -137,13 +138,13 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
     # prefix_allowed_tokens_fn: stock numbers expanded rows by their prompt).
     row_config = copy.copy(config)
     row_config.num_return_sequences = 1
-    processors = [_row_processors(model, row_config, input_ids, attention_mask, b, b // config.num_return_sequences,
+    processors = [_row_processors(model, row_config, input_ids, attention_mask, b, b // copies,
                                   extra) for b in range(len(input_ids))]
     # The user's processors and prefix_allowed_tokens_fn see exactly stock's calls; a drafter's would be extra
     # ones, about prefixes stock never builds (past an EOS, or a draft later rejected).
     users = {"logits_processor": None, "prefix_allowed_tokens_fn": None}
     draft_processors = processors if not any(extra[k] for k in users) else [
-        _row_processors(model, row_config, input_ids, attention_mask, b, b // config.num_return_sequences,
+        _row_processors(model, row_config, input_ids, attention_mask, b, b // copies,
                         {**extra, **users}) for b in range(len(input_ids))]
     # Stock's criteria (lengths, EOS, stop strings, time) merged with the user's as stock merges them; the loop
     # checks them per row after each token, but the time once per step for the whole batch, as stock does.
