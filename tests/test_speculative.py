@@ -239,6 +239,19 @@ def test_num_return_sequences_below_one_gives_one_row_per_prompt_as_stock(llama,
     assert stats(llama)["fallbacks_to_stock"] == 0
 
 
+@pytest.mark.parametrize("mask", ["4d-causal", "narrower", "another-batch"])
+def test_an_attention_mask_not_shaped_as_the_ids_gets_stocks_error(llama, mask, caplog):
+    ids, fitting = left_padded_batch(llama, (6,))
+    mask = {"4d-causal": torch.ones(6, 6, dtype=torch.bool).tril()[None, None], "narrower": fitting[:, 1:],
+            "another-batch": fitting.repeat(2, 1)}[mask]
+    with pytest.raises(Exception) as stock:
+        greedy(llama, ids, mask, max_new_tokens=4)
+    hf_accel.patch(llama, compile=None, speculative="ngram")
+    with caplog.at_level("WARNING", logger="hf_accel"), pytest.raises(type(stock.value)) as ours:
+        greedy(llama, ids, mask, max_new_tokens=4)
+    assert str(ours.value) == str(stock.value) and "hf_accel" not in caplog.text
+
+
 def few_token_llama_config(vocab: int) -> LlamaConfig:
     """A 2-layer llama over ``vocab`` tokens and no special ones, for the distribution tests: few enough tokens
     that every continuation's exact probability can be computed."""

@@ -51,6 +51,9 @@ _STOCK_RAISES_FOR_MODEL_KWARGS = Fallback("generate arguments the model does not
 RIGHT_PADDED = Fallback("a prompt padded on the right (a row ends in padding; transformers warns that decoder-only "
                         "models generate wrongly from it)",
                         "pad prompts on the left (tokenizer.padding_side='left'), as transformers asks")
+_STOCK_RAISES_FOR_MASK = Fallback("an attention_mask of another shape than the input ids (stock generate raises "
+                                  "for it)", "pass an attention_mask of the input ids' [batch, length]",
+                                  stock_raises=True)
 _NOT_COVERED = ("synced_gpus", "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
                 "custom_generate", "assistant_tokenizer")
 
@@ -107,6 +110,8 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     if attention_mask is None:
         attention_mask = _infer_attention_mask(input_ids, config)
+    elif attention_mask.shape != input_ids.shape:
+        return _STOCK_RAISES_FOR_MASK
     if bool((attention_mask[:, -1] == 0).any()):
         return RIGHT_PADDED
     copies = max(1, config.num_return_sequences)  # stock expands by max(num_beams, num_return_sequences)
