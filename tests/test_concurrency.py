@@ -10,6 +10,7 @@ from conftest import left_padded_batch, make_tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
+from hf_accel.runtime.compile_gate import CompileGate
 
 #: (batch size, max_new_tokens, sampled): sampled calls keep only the top token, so their output is fixed.
 CALLS = [(1, 24, False), (3, 16, False), (1, 30, True), (2, 20, False), (3, 12, True), (1, 8, False)]
@@ -134,3 +135,118 @@ def test_a_returned_output_does_not_hand_out_the_cache_the_next_call_reuses(opti
     pooled = [state.kv_cache] + ([c for _, c in state.compiled_step._caches.values()] if state.compiled_step else [])
     assert out.sequences.shape == (3, ids.shape[1] + 6) and not any(out.cache is c for c in pooled)
     assert out.get("cache") is None
+
+
+def test_no_patched_call_runs_while_another_patched_model_compiles(tmp_path, monkeypatch):
+    """While a thread compiles, torch holds ``torch.compiler.is_compiling()`` True in every thread; code that
+    branches on it (transformers' kernel wrappers on Llama's attention) fails in threads running meanwhile."""
+    monkeypatch.setenv("HF_ACCEL_CACHE", str(tmp_path))
+    compiling, running = make_tiny_model("llama"), make_tiny_model("llama")
+    ids, mask = left_padded_batch(running, (9, 4, 7))
+    hf_accel.patch(running, compile=None)
+    hf_accel.patch(compiling, compile_when="first_use")
+    seen: list[bool] = []
+    for layer in running.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: seen.append(torch.compiler.is_compiling()))
+    stop = threading.Event()
+
+    def keep_generating() -> None:
+        while not stop.is_set():
+            running.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+
+    worker = threading.Thread(target=keep_generating)
+    worker.start()
+    try:
+        while not seen:  # the other thread is generating
+            stop.wait(0.01)
+        compiling.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    finally:
+        stop.set()
+        worker.join()
+    assert hf_accel.report(compiling)["compile"].details["graphs_compiled"] > 0
+    assert len(seen) > 0 and not any(seen)
+
+
+def test_the_compile_gate_lets_a_compile_run_alone_and_calls_wait_for_it():
+    gate, order = CompileGate(), []
+    in_call, compile_waits = threading.Event(), threading.Event()
+
+    def long_call() -> None:
+        with gate.call():
+            in_call.set()
+            compile_waits.wait(5)
+            order.append("long call ends")
+
+    def call_inside_then_compile() -> None:
+        in_call.wait(5)
+        with gate.call(), gate.call():  # nested calls of this thread do not hold its own compile back
+            compile_waits.set()
+            with gate.compiling():
+                order.append("compiles")
+            order.append("its call goes on")
+
+    def late_call() -> None:
+        compile_waits.wait(5)
+        while not gate._waiting and "compiles" not in order:  # the compile is queued before this call comes
+            threading.Event().wait(0.001)
+        with gate.call():
+            order.append("late call")
+
+    threads = [threading.Thread(target=f) for f in (long_call, call_inside_then_compile, late_call)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    # The compile waited for the other thread's call, and a call that came while it waited waited behind it.
+    assert order.index("long call ends") < order.index("compiles") < order.index("late call")
+    assert order.index("compiles") < order.index("its call goes on") and len(order) == 4
+    assert not gate._calls and gate._compiling is None and not gate._waiting
+
+
+def test_the_compile_gate_compiles_beside_a_call_that_outlasts_its_patience():
+    gate, release = CompileGate(patience=0.05), threading.Event()
+    in_call = threading.Event()
+
+    def stuck_call() -> None:
+        with gate.call():
+            in_call.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=stuck_call)
+    thread.start()
+    in_call.wait(5)
+    with gate.compiling():
+        compiled_beside = thread.is_alive()
+    release.set()
+    thread.join(5)
+    assert compiled_beside and not gate._calls and gate._compiling is None
+
+
+def test_a_compile_of_the_users_own_in_another_thread_leaves_the_compiled_step_in_use(tmp_path, monkeypatch):
+    """torch's process-wide ``is_compiling()`` flag during another thread's compile must not turn the patch's
+    routing of decoder layers to their compiled graphs off (it asks whether dynamo is tracing its own code)."""
+    monkeypatch.setenv("HF_ACCEL_CACHE", str(tmp_path))
+    model = make_tiny_model("llama")
+    ids, mask = left_padded_batch(model, (9, 4, 7))
+    expected = run(model, 3, 12, False, ids, mask)
+    hf_accel.patch(model, compile="inductor", compile_when="first_use")  # the loop runs the compiled step itself
+    assert torch.equal(run(model, 3, 12, False, ids, mask), expected)  # compiles its shapes
+    in_session, finish = threading.Event(), threading.Event()
+
+    def slow_backend(graph, example_inputs):
+        in_session.set()
+        finish.wait(10)
+        return graph.forward
+
+    users = threading.Thread(target=lambda: torch.compile(lambda x: x + 1, backend=slow_backend)(torch.ones(2)))
+    users.start()
+    try:
+        in_session.wait(10)
+        before = dict(hf_accel.report(model)["compile"].details)
+        assert torch.compiler.is_compiling()  # what this thread sees while the other compiles
+        assert torch.equal(run(model, 3, 12, False, ids, mask), expected)
+        after = hf_accel.report(model)["compile"].details
+    finally:
+        finish.set()
+        users.join()
+    assert after["compiled_steps"] > before["compiled_steps"] and after["eager_steps"] == before["eager_steps"]

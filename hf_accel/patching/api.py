@@ -19,6 +19,7 @@ from hf_accel.patching.report import PatchReport
 from hf_accel.patching.state import get_state
 from hf_accel.patching.transaction import Transaction, empty_report, undo_all
 from hf_accel.patching.unwrap import unwrap_model
+from hf_accel.runtime.compile_gate import COMPILE_GATE
 
 logger = logging.getLogger("hf_accel")
 
@@ -62,7 +63,9 @@ def patch(
     _validate_call(verify, plugins, strict)
     plugins = tuple(plugins)  # once: a generator would be empty the second time
     arguments = {**requests, "verify": verify, "strict": strict, "plugins": plugins, **options}
-    with _patch_lock(target):  # two threads patching one model: the second sees the first's patch
+    # Two threads patching one model: the second sees the first's patch. The gate keeps the patch's probes from
+    # running while another patched model compiles.
+    with _patch_lock(target), COMPILE_GATE.call():
         return _patch(model, target, requests, arguments, verify, plugins, options)
 
 

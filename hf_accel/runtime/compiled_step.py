@@ -35,6 +35,7 @@ from transformers.generation import CompileConfig
 
 from hf_accel.patching.changes import Changes
 from hf_accel.runtime.compile_cache import CompileStore, Stored, fingerprint
+from hf_accel.runtime.compile_gate import COMPILE_GATE
 from hf_accel.runtime.compile_policy import CompilePolicy, Decision, StepTimer
 from hf_accel.runtime.generation import cache_keyword
 from hf_accel.runtime.graph_calls import TrustedLayers
@@ -337,14 +338,15 @@ class CompiledDecodeStep(BucketedCaches):
             with separate_symbols(), (self.store.compiling(self.backend) if self.store is not None else nullcontext()):
                 return graphs.compile(region.layer, scratch, slot, span, *side_args, **side_kwargs), scratch
 
-        try:
-            return attempt()
-        except Exception as exc:
-            if self.store is None or not from_store:
-                raise
-            self.store.reset(f"compiling from it raised {describe_failure(exc)}")
-            torch._dynamo.reset_code(graphs.body.__code__)
-            return attempt()
+        with COMPILE_GATE.compiling():  # other threads' patched calls wait: they would see is_compiling() True
+            try:
+                return attempt()
+            except Exception as exc:
+                if self.store is None or not from_store:
+                    raise
+                self.store.reset(f"compiling from it raised {describe_failure(exc)}")
+                torch._dynamo.reset_code(graphs.body.__code__)
+                return attempt()
 
     def _graphs_for(self, kind: str) -> RegionGraphs:
         if kind not in self._graphs:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from hf_accel.patching.state import PatchState, get_state
+from hf_accel.runtime.compile_gate import COMPILE_GATE
 from hf_accel.runtime.kv_cache import RollbackCache
 
 if TYPE_CHECKING:
@@ -149,7 +150,9 @@ def make_patched_generate(model: PreTrainedModel, original: Callable[..., Any]) 
         state = get_state(model)
         if state is None:  # unpatched while a reference to this function was kept
             return original(*args, **kwargs)
-        with state.lock:  # the patch's caches, compiled steps and draft lengths serve one call at a time
+        # The patch's caches, compiled steps and draft lengths serve one call at a time; the gate keeps the
+        # call from running while another patched model compiles.
+        with state.lock, COMPILE_GATE.call():
             if state.depth:  # called from inside a call (a plugin's hook): the patch's caches are in use
                 return original(*args, **kwargs)
             state.depth += 1

@@ -229,7 +229,7 @@ class RollbackStaticLayer(StaticLayer):
             for kind, states, dim in (("keys", key_states, self.k_head_dim), ("values", value_states,
                                                                                self.v_head_dim)))
         self.cumulative_length = self.cumulative_length.to(self.device)
-        if not torch.compiler.is_compiling():  # as StaticLayer does: fixed addresses, for CUDA graphs
+        if not torch.compiler.is_dynamo_compiling():  # as StaticLayer does: fixed addresses, for CUDA graphs
             for tensor in (self.keys, self.values, self.cumulative_length):
                 torch._dynamo.mark_static_address(tensor)
         self.is_initialized = True

@@ -84,7 +84,7 @@ class RegionGraphs:
 def _region_body(misses: list[int]) -> Callable[..., Any]:
     def region(layer: nn.Module, layer_cache: Any, cache_slot: int | str, span: torch.Tensor | None, *args: Any,
                **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():  # only runs as Python when no graph matched
+        if not torch.compiler.is_dynamo_compiling():  # only runs as Python when no graph matched
             misses[0] += 1
         view = LayerCacheView(layer_cache) if span is None else FilledLayerView(layer_cache, span.shape[0])
         args, kwargs = with_cache(args, kwargs, cache_slot, view)

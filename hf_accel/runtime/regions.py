@@ -119,7 +119,8 @@ def routed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A decoder layer's forward on a patched model: the class's forward, or the active run's choice.
 
     A module-level function bound to the layer, so ``copy.deepcopy`` of a model binds it to the copy."""
-    run = None if torch.compiler.is_compiling() else ACTIVE_RUN.get()  # a user's own torch.compile traces through
+    # A user's own torch.compile traces through. Not is_compiling(): torch sets that in every thread while any compiles.
+    run = None if torch.compiler.is_dynamo_compiling() else ACTIVE_RUN.get()
     if run is not None:
         region = run.step.regions.get(id(layer))
         if region is not None:
