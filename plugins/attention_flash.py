@@ -31,6 +31,7 @@ from hf_accel.plugin import (
     PatchContext,
     head_dim,
     hookimpl,
+    is_tracing,
     register_implementation,
     set_attention,
     transformers_refusal,
@@ -52,7 +53,7 @@ def sdpa_flash_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.
         is_causal if is_causal is not None else getattr(module, "is_causal", True))
     kernel, why = _sdpa_kernel_for(query, attention_mask)
     gqa = query.shape[1] != key.shape[1]
-    if not torch.compiler.is_dynamo_compiling():  # a Python counter in a compiled graph would recompile every step
+    if not is_tracing():  # a Python counter in a compiled graph would recompile every step
         if query.device.type == "cpu":  # not forced on CPU (see below): count what the dispatcher picks
             kernel = SDPBackend(torch._fused_sdp_choice(
                 query, key, value, attn_mask=attention_mask, dropout_p=dropout if module.training else 0.0,
@@ -66,7 +67,7 @@ def sdpa_flash_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.
     # sdpa_kernel switches process-wide flags (another thread's attention would run under them) and dynamo
     # cannot trace it. On CPU the default dispatch picks the flash kernel for these calls anyway (masks and
     # GQA included; tests/test_attention.py checks it), so it is used on CUDA only, outside compiled graphs.
-    explicit = query.device.type != "cpu" and not torch.compiler.is_dynamo_compiling()
+    explicit = query.device.type != "cpu" and not is_tracing()
     choose = sdpa_kernel([kernel]) if explicit else contextlib.nullcontext()
     with choose:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,

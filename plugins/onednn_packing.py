@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_accel.plugin import PatchContext, PatchError, children_of_type, free_weight, held_outside, shortfall
+from hf_accel.plugin import PatchContext, PatchError, children_of_type, free_weight, held_outside, is_tracing, shortfall
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class PackedLinear(nn.Module):
                 return F.linear(x, self.weight, self.bias)
             if not self.holds_weight and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)):
                 return _PackedProduct.apply(x, self, self.bias)
-        if torch.compiler.is_compiling():
+        if is_tracing():
             return torch.ops.hf_accel.onednn_linear(x, key, self.bias)
         return onednn_linear(x, key, self.bias)
 

@@ -154,15 +154,18 @@ def test_no_patched_call_runs_while_another_patched_model_compiles(tmp_path, mon
         while not stop.is_set():
             running.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
 
-    worker = threading.Thread(target=keep_generating)
+    worker = threading.Thread(target=keep_generating, daemon=True)
     worker.start()
     try:
-        while not seen:  # the other thread is generating
+        for _ in range(3000):  # the other thread is generating (within 30 s)
+            if seen or not worker.is_alive():
+                break
             stop.wait(0.01)
         compiling.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     finally:
         stop.set()
-        worker.join()
+        worker.join(60)
+    assert not worker.is_alive()
     assert hf_accel.report(compiling)["compile"].details["graphs_compiled"] > 0
     assert len(seen) > 0 and not any(seen)
 

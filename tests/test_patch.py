@@ -78,11 +78,11 @@ def test_patch_then_unpatch_restores_state_and_outputs(tiny_model):
     assert torch.equal(greedy(tiny_model, ids, mask), expected)
 
 
-@pytest.mark.parametrize("copier", ["copy.deepcopy", "pickle.dumps", "torch.save"])
+@pytest.mark.parametrize("copier", ["copy.deepcopy", "copy.copy", "pickle.dumps", "torch.save"])
 def test_copying_a_patched_model_says_to_copy_before_patching(llama, copier):
     ids, mask = left_padded_batch(llama)
     expected = greedy(llama, ids, mask)
-    copy_it = {"copy.deepcopy": copy.deepcopy, "pickle.dumps": pickle.dumps,
+    copy_it = {"copy.deepcopy": copy.deepcopy, "copy.copy": copy.copy, "pickle.dumps": pickle.dumps,
                "torch.save": lambda model: torch.save(model, io.BytesIO())}[copier]
     hf_accel.patch(llama)
     with pytest.raises(TypeError, match=r"patched LlamaForCausalLM cannot be copied or pickled.*before "

@@ -227,6 +227,20 @@ def test_a_right_padded_batch_runs_stock_generate_and_says_to_pad_on_the_left(ti
     assert "padding_side='left'" in caplog.text
 
 
+def test_a_right_padded_call_stock_refuses_gets_stocks_error_even_with_strict(llama):
+    ids, mask = left_padded_batch(llama)
+    ids, mask = ids.flip(-1), mask.flip(-1)  # padded on the right
+    refused = dict(max_new_tokens=4, stop_strings=["x"])  # stock refuses stop strings without a tokenizer
+    with pytest.raises(ValueError) as stock:
+        greedy(llama, ids, mask, **refused)
+    hf_accel.patch(llama, compile=None, speculative="ngram", strict=True)
+    with pytest.raises(ValueError) as ours:
+        greedy(llama, ids, mask, **refused)
+    assert str(ours.value) == str(stock.value)
+    with pytest.raises(hf_accel.PatchError, match="padded on the right.*strict=True"):
+        greedy(llama, ids, mask, max_new_tokens=4)
+
+
 @pytest.mark.parametrize("copies", [0, -1])
 def test_num_return_sequences_below_one_gives_one_row_per_prompt_as_stock(llama, copies):
     ids, mask = left_padded_batch(llama)

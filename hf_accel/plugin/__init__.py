@@ -20,7 +20,7 @@ What is here, by use:
   reporting (:mod:`hf_accel.plugin.quantize`);
 - cache and compile backends: what they install (a :class:`RollbackCache`, a :class:`DecodeStep`), the
   preallocated and fixed-length caches, the compiled decode step and the :class:`GraphCompiler` it takes, when
-  to compile, where compiled code persists;
+  to compile, where compiled code persists, whether code is being traced rather than run (:func:`is_tracing`);
 - speculative backends: what they install (a :class:`GenerateRunner`, given each :class:`Call`), the loop's
   contracts (:class:`Drafter`, :class:`Draft`), the draft-length rule, and :func:`install_runner`, which
   routes a model's generate calls through the loop.
@@ -49,6 +49,7 @@ from hf_accel.plugin.quantize import (
 )
 from hf_accel.runtime.cached_lm import CachedLM
 from hf_accel.runtime.compile_cache import CompileStore
+from hf_accel.runtime.compile_gate import is_tracing
 from hf_accel.runtime.compile_policy import CompilePolicy
 from hf_accel.runtime.compiled_step import BF16_CHECK_TOLERANCE, CHECK_TOLERANCE, CompiledDecodeStep
 from hf_accel.runtime.contracts import Call, CallState, DecodeStep, GenerateRunner
@@ -74,7 +75,7 @@ __all__ = [
     # caches and the compiled step (what a kv_cache or compile backend installs: a RollbackCache, a DecodeStep)
     "BF16_CHECK_TOLERANCE", "CHECK_TOLERANCE", "CachedLM", "CompileStore", "CompilePolicy", "CompiledDecodeStep",
     "DecodeStep", "GraphCompiler", "PreallocatedCache", "PreallocatedLayer", "RollbackCache", "RollbackStaticCache",
-    "cache_keyword", "decoder_layers", "is_routed",
+    "cache_keyword", "decoder_layers", "is_routed", "is_tracing",
     # generate calls and speculative decoding (what a speculative backend installs: a GenerateRunner)
     "Call", "CallState", "Draft", "DraftLength", "Drafter", "GenerateCall", "GenerateRunner", "SpeculativeLoop",
     "install_runner", "object_request_problem",

@@ -19,9 +19,12 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +32,9 @@ logger = logging.getLogger(__name__)
 class CompileGate:
     """A readers-writer lock: patched calls share it, a compile holds it alone. A thread's calls may nest, and
     a compile inside a call does not wait for that call (it puts its share down while it waits and compiles).
-    Once a compile waits, new calls wait behind it, so a busy server still gets its compile."""
+    Once a compile waits, new calls wait behind it, so a busy server still gets its compile: what that costs
+    them is the rest of the longest call in progress (at most ``patience``) and the compile, once per shape
+    class a model compiles."""
 
     def __init__(self, patience: float = 60.0) -> None:
         #: Seconds a compile waits for other threads' calls to end before it compiles beside them (a call
@@ -47,35 +52,37 @@ class CompileGate:
     @contextmanager
     def call(self) -> Iterator[None]:
         me = threading.get_ident()
-        with self._changed:
-            if not self._calls.get(me):
-                self._changed.wait_for(lambda: self._compiling == me or (self._compiling is None and not self._waiting))
-            self._calls[me] = self._calls.get(me, 0) + 1
+        entered = False
         try:
+            with self._changed:
+                if not self._calls.get(me):
+                    self._changed.wait_for(
+                        lambda: self._compiling == me or (self._compiling is None and not self._waiting))
+                self._calls[me] = self._calls.get(me, 0) + 1
+                entered = True
             yield
         finally:
-            with self._changed:
-                self._calls[me] -= 1
-                if not self._calls[me]:
-                    del self._calls[me]
-                    self._changed.notify_all()
+            if entered:
+                with self._changed:
+                    self._calls[me] -= 1
+                    if not self._calls[me]:
+                        del self._calls[me]
+                        self._changed.notify_all()
 
     @contextmanager
     def compiling(self) -> Iterator[None]:
         me = threading.get_ident()
-        with self._changed:
-            nested = self._compiling == me
-            if not nested:
-                mine = self._take_alone(me)
-        if nested:
-            yield
-            return
+        mine: int | None = None  # this thread's calls put down while it compiles; None: held it already
         try:
+            with self._changed:
+                if self._compiling != me:
+                    mine = self._take_alone(me)
             yield
         finally:
-            with self._changed:
-                self._compiling = None
-                self._restore(me, mine)
+            if mine is not None:
+                with self._changed:
+                    self._compiling = None
+                    self._restore(me, mine)
 
     def _take_alone(self, me: int) -> int:
         """Wait (holding the condition) until no other thread is in a call or compiling, then hold the gate;
@@ -86,9 +93,11 @@ class CompileGate:
         try:
             if not self._changed.wait_for(lambda: self._compiling is None and not self._calls,
                                           timeout=self.patience):
-                # A call that never ends, or one waiting on this thread (for a model it holds): compile beside it.
-                logger.info("hf_accel: compiling beside %d other threads' calls after waiting %.0f s for them",
-                            len(self._calls), self.patience)
+                # A call that outlasts the patience, or one waiting on this thread (for a model whose lock it
+                # holds): compiling beside it is what torch does without the gate.
+                logger.warning("hf_accel: compiling while %d other threads' calls run, after waiting %.0f s for "
+                               "them; code in them that asks torch.compiler.is_compiling() sees True meanwhile",
+                               len(self._calls), self.patience)
                 self._changed.wait_for(lambda: self._compiling is None)
         except BaseException:
             self._restore(me, mine)
@@ -103,6 +112,17 @@ class CompileGate:
             self._calls[me] = depth
         self._changed.notify_all()
 
+    def _forget(self) -> None:
+        """In a forked child: the parent's other threads, their calls and any compile are not there."""
+        self.__init__(self.patience)
+
+
+def is_tracing() -> bool:
+    """Whether this code is being traced (by dynamo, or by ``torch.export``) rather than run. Not
+    ``torch.compiler.is_compiling()``: torch holds that True in every thread while any thread compiles."""
+    return torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
+
 
 #: The process's gate: every patched model's calls and compiles go through it.
 COMPILE_GATE = CompileGate()
+os.register_at_fork(after_in_child=COMPILE_GATE._forget)

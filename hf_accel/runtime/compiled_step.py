@@ -304,13 +304,16 @@ class CompiledDecodeStep(BucketedCaches):
         log = logger.warning if estimate >= 10 else logger.info
         log("hf_accel: compiling %s's decode step (%s; %s: about %.0f s)...", type(self.model).__name__, shape, why,
             estimate)
-        graphs_before, start = self.backend.graphs, _clock()
         try:
-            compiled, scratch = self._compile_on_the_side(graphs, region, layer_cache, slot, args, kwargs, warm)
+            # Other threads' patched calls end first and wait meanwhile (they would see is_compiling() True); the
+            # clock starts once they have, so that the store keeps what compiling took.
+            with COMPILE_GATE.compiling():
+                graphs_before, start = self.backend.graphs, _clock()
+                compiled, scratch = self._compile_on_the_side(graphs, region, layer_cache, slot, args, kwargs, warm)
+                seconds = _clock() - start
         except Exception as exc:  # a missing compiler, an op inductor cannot lower, an attention it cannot trace
             self._fail(f"compiling {shape} raised {describe_failure(exc)}")
             return type(region.layer).forward(region.layer, *args, **kwargs)
-        seconds = _clock() - start
         eager = type(region.layer).forward(region.layer, *args, **kwargs)  # over every slot: checks the graph's cut
         error = disagreement([*tensors_in(eager), layer_cache.keys, layer_cache.values],
                               [*tensors_in(compiled), scratch.keys, scratch.values])
@@ -338,15 +341,14 @@ class CompiledDecodeStep(BucketedCaches):
             with separate_symbols(), (self.store.compiling(self.backend) if self.store is not None else nullcontext()):
                 return graphs.compile(region.layer, scratch, slot, span, *side_args, **side_kwargs), scratch
 
-        with COMPILE_GATE.compiling():  # other threads' patched calls wait: they would see is_compiling() True
-            try:
-                return attempt()
-            except Exception as exc:
-                if self.store is None or not from_store:
-                    raise
-                self.store.reset(f"compiling from it raised {describe_failure(exc)}")
-                torch._dynamo.reset_code(graphs.body.__code__)
-                return attempt()
+        try:
+            return attempt()
+        except Exception as exc:
+            if self.store is None or not from_store:
+                raise
+            self.store.reset(f"compiling from it raised {describe_failure(exc)}")
+            torch._dynamo.reset_code(graphs.body.__code__)
+            return attempt()
 
     def _graphs_for(self, kind: str) -> RegionGraphs:
         if kind not in self._graphs:

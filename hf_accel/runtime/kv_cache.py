@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
 
+from hf_accel.runtime.compile_gate import is_tracing
+
 _GROWTH_STEP = 256
 #: Batch sizes whose fixed-length caches a compiled step keeps between calls; the least recently used one beyond
 #: is freed.
@@ -229,7 +231,7 @@ class RollbackStaticLayer(StaticLayer):
             for kind, states, dim in (("keys", key_states, self.k_head_dim), ("values", value_states,
                                                                                self.v_head_dim)))
         self.cumulative_length = self.cumulative_length.to(self.device)
-        if not torch.compiler.is_dynamo_compiling():  # as StaticLayer does: fixed addresses, for CUDA graphs
+        if not is_tracing():  # fixed addresses, for CUDA graphs (as StaticLayer marks them)
             for tensor in (self.keys, self.values, self.cumulative_length):
                 torch._dynamo.mark_static_address(tensor)
         self.is_initialized = True

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+from hf_accel.runtime.compile_gate import is_tracing
 from hf_accel.runtime.graph_calls import StepGuardedCalls, TrustedLayers, shared_inputs
 from hf_accel.runtime.regions import (
     FilledLayerView,
@@ -84,7 +85,7 @@ class RegionGraphs:
 def _region_body(misses: list[int]) -> Callable[..., Any]:
     def region(layer: nn.Module, layer_cache: Any, cache_slot: int | str, span: torch.Tensor | None, *args: Any,
                **kwargs: Any) -> Any:
-        if not torch.compiler.is_dynamo_compiling():  # only runs as Python when no graph matched
+        if not is_tracing():  # only runs as Python when no graph matched
             misses[0] += 1
         view = LayerCacheView(layer_cache) if span is None else FilledLayerView(layer_cache, span.shape[0])
         args, kwargs = with_cache(args, kwargs, cache_slot, view)

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from hf_accel.runtime.compile_gate import is_tracing
+
 #: The compiled step whose layers run through regions in this context (thread, task), or None.
 ACTIVE_RUN: contextvars.ContextVar[Any] = contextvars.ContextVar("hf_accel_region_run", default=None)
 
@@ -119,8 +121,7 @@ def routed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A decoder layer's forward on a patched model: the class's forward, or the active run's choice.
 
     A module-level function bound to the layer, so ``copy.deepcopy`` of a model binds it to the copy."""
-    # A user's own torch.compile traces through. Not is_compiling(): torch sets that in every thread while any compiles.
-    run = None if torch.compiler.is_dynamo_compiling() else ACTIVE_RUN.get()
+    run = None if is_tracing() else ACTIVE_RUN.get()  # a user's own torch.compile traces through
     if run is not None:
         region = run.step.regions.get(id(layer))
         if region is not None:

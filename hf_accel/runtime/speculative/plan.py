@@ -112,8 +112,6 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
         attention_mask = _infer_attention_mask(input_ids, config)
     elif attention_mask.shape != input_ids.shape:
         return _STOCK_RAISES_FOR_MASK
-    if bool((attention_mask[:, -1] == 0).any()):
-        return RIGHT_PADDED
     copies = max(1, config.num_return_sequences)  # stock expands by max(num_beams, num_return_sequences)
     if copies > 1:
         if not config.do_sample:  # stock refuses it without beams; let it say so
@@ -138,6 +136,8 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
             # rows by index or keep per-row state, so calling it one row at a time could change its answers.
             return Fallback(f"a {name} of your own with batch > 1 (the loop calls it one row at a time)",
                             one_row + ", or express it as a generation setting where one exists")
+    if bool((attention_mask[:, -1] == 0).any()):  # after the calls stock refuses, which get stock's error
+        return RIGHT_PADDED
     model._prepare_special_tokens(config, True, input_ids.device)
     # Each row's processors are built and called as a batch of one (the prompt row it came from, for
     # prefix_allowed_tokens_fn: stock numbers expanded rows by their prompt).
