@@ -7,10 +7,11 @@ import threading
 import pytest
 import torch
 from conftest import left_padded_batch, make_tiny_model
+from torch.fx.experimental.proxy_tensor import make_fx
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
-from hf_accel.runtime.compile_gate import CompileGate
+from hf_accel.runtime.compile_gate import COMPILE_GATE, CompileGate, is_tracing
 
 #: (batch size, max_new_tokens, sampled): sampled calls keep only the top token, so their output is fixed.
 CALLS = [(1, 24, False), (3, 16, False), (1, 30, True), (2, 20, False), (3, 12, True), (1, 8, False)]
@@ -206,7 +207,7 @@ def test_the_compile_gate_lets_a_compile_run_alone_and_calls_wait_for_it():
     assert not gate._calls and gate._compiling is None and not gate._waiting
 
 
-def test_the_compile_gate_compiles_beside_a_call_that_outlasts_its_patience():
+def test_the_compile_gate_compiles_beside_a_call_that_outlasts_its_patience(caplog):
     gate, release = CompileGate(patience=0.05), threading.Event()
     in_call = threading.Event()
 
@@ -218,11 +219,40 @@ def test_the_compile_gate_compiles_beside_a_call_that_outlasts_its_patience():
     thread = threading.Thread(target=stuck_call)
     thread.start()
     in_call.wait(5)
-    with gate.compiling():
+    with caplog.at_level("WARNING", logger="hf_accel"), gate.compiling():
         compiled_beside = thread.is_alive()
     release.set()
     thread.join(5)
     assert compiled_beside and not gate._calls and gate._compiling is None
+    assert "compiling while 1 other threads' calls run" in caplog.text
+
+
+def test_waiting_at_the_gate_is_neither_compile_time_nor_eager_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ACCEL_CACHE", str(tmp_path))
+    model = make_tiny_model("llama")
+    ids, mask = left_padded_batch(model, (9, 4, 7))
+    hf_accel.patch(model, compile="inductor", speculative=None, compile_when="first_use")
+    holding = threading.Event()
+
+    def a_second_long_call() -> None:
+        with COMPILE_GATE.call():
+            holding.set()
+            threading.Event().wait(1.0)
+
+    other = threading.Thread(target=a_second_long_call)
+    other.start()
+    holding.wait(10)
+    run(model, 3, 6, False, ids, mask)  # compiles its shapes, each after the other thread's call has ended
+    other.join(10)
+    details = hf_accel.report(model)["compile"].details
+    assert details["gate_seconds"] >= 0.8 and details["eager_seconds"] < 0.5
+
+
+def test_is_tracing_only_in_the_thread_that_traces():
+    add = lambda x: x + (1 if is_tracing() else 2)  # noqa: E731
+    assert torch.compile(add, backend="eager", fullgraph=True)(torch.zeros(1)).item() == 1
+    assert "add.Tensor(x_1, 1)" in make_fx(add)(torch.zeros(1)).code
+    assert add(torch.zeros(1)).item() == 2
 
 
 def test_a_compile_of_the_users_own_in_another_thread_leaves_the_compiled_step_in_use(tmp_path, monkeypatch):
@@ -246,7 +276,7 @@ def test_a_compile_of_the_users_own_in_another_thread_leaves_the_compiled_step_i
     try:
         in_session.wait(10)
         before = dict(hf_accel.report(model)["compile"].details)
-        assert torch.compiler.is_compiling()  # what this thread sees while the other compiles
+        assert torch.compiler.is_compiling() and not is_tracing()  # what this thread sees while the other compiles
         assert torch.equal(run(model, 3, 12, False, ids, mask), expected)
         after = hf_accel.report(model)["compile"].details
     finally:

@@ -230,15 +230,22 @@ def test_a_right_padded_batch_runs_stock_generate_and_says_to_pad_on_the_left(ti
 def test_a_right_padded_call_stock_refuses_gets_stocks_error_even_with_strict(llama):
     ids, mask = left_padded_batch(llama)
     ids, mask = ids.flip(-1), mask.flip(-1)  # padded on the right
-    refused = dict(max_new_tokens=4, stop_strings=["x"])  # stock refuses stop strings without a tokenizer
-    with pytest.raises(ValueError) as stock:
-        greedy(llama, ids, mask, **refused)
+    # Stock refuses stop strings without a tokenizer before it generates, and a min_p above 1 as it builds its
+    # warpers.
+    refused = (dict(do_sample=False, stop_strings=["x"]), dict(do_sample=True, min_p=2.0))
+    call = lambda **kwargs: llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **kwargs)
+    stock = []
+    for kwargs in refused:
+        with pytest.raises(ValueError) as error:
+            call(**kwargs)
+        stock.append(str(error.value))
     hf_accel.patch(llama, compile=None, speculative="ngram", strict=True)
-    with pytest.raises(ValueError) as ours:
-        greedy(llama, ids, mask, **refused)
-    assert str(ours.value) == str(stock.value)
+    for kwargs, message in zip(refused, stock):
+        with pytest.raises(ValueError) as error:
+            call(**kwargs)
+        assert str(error.value) == message
     with pytest.raises(hf_accel.PatchError, match="padded on the right.*strict=True"):
-        greedy(llama, ids, mask, max_new_tokens=4)
+        call(do_sample=False)
 
 
 @pytest.mark.parametrize("copies", [0, -1])

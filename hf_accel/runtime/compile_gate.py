@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 logger = logging.getLogger(__name__)
 
@@ -113,16 +114,24 @@ class CompileGate:
         self._changed.notify_all()
 
     def _forget(self) -> None:
-        """In a forked child: the parent's other threads, their calls and any compile are not there."""
+        """In a forked child: only the thread that forked is there, with its own calls and compile, if any."""
+        me = threading.get_ident()
+        calls, compiling = self._calls.get(me), self._compiling == me
         self.__init__(self.patience)
+        if calls:
+            self._calls[me] = calls
+        if compiling:
+            self._compiling = me
 
 
 def is_tracing() -> bool:
-    """Whether this code is being traced (by dynamo, or by ``torch.export``) rather than run. Not
-    ``torch.compiler.is_compiling()``: torch holds that True in every thread while any thread compiles."""
-    return torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
+    """Whether this thread's code is being traced rather than run: by dynamo, or under make_fx's proxy mode
+    (non-strict ``torch.export``). Not ``torch.compiler.is_compiling()`` or ``is_exporting()``: torch holds those
+    True in every thread while any thread compiles or exports."""
+    return torch.compiler.is_dynamo_compiling() or get_proxy_mode() is not None
 
 
 #: The process's gate: every patched model's calls and compiles go through it.
 COMPILE_GATE = CompileGate()
-os.register_at_fork(after_in_child=COMPILE_GATE._forget)
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=COMPILE_GATE._forget)

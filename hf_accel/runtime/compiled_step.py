@@ -199,7 +199,7 @@ class CompiledDecodeStep(BucketedCaches):
             return self.model(*args, **kwargs)
         run = RegionRun(self, StepArguments())
         token = ACTIVE_RUN.set(run)
-        compiling_before, start = self.stats.compile_seconds, _clock()
+        busy_before, start = self._busy_seconds(), _clock()
         try:
             out = self.model(*args, **kwargs)
         finally:
@@ -209,11 +209,12 @@ class CompiledDecodeStep(BucketedCaches):
             self.stats.compiled_steps += 1
         else:
             self.stats.eager_steps += 1
-        if compiling_before == self.stats.compile_seconds:  # all eager (waiting), or all compiled
+        busy = self._busy_seconds() - busy_before
+        if not busy:  # all eager (waiting), or all compiled
             timed = run.waiting if not run.compiled_layers else run.compiled if not run.eager_layers else ()
             self._timer.add(timed, elapsed, compiled=bool(run.compiled_layers))
         if run.waiting:  # time spent compiling is not time lost running eagerly
-            waited = elapsed - (self.stats.compile_seconds - compiling_before)
+            waited = elapsed - busy
             self.stats.eager_seconds += waited
             for shape in run.waiting:  # two kinds of layer waiting in one step share its time
                 self._waited[shape] = self._waited.get(shape, 0.0) + waited / len(run.waiting)
@@ -221,6 +222,10 @@ class CompiledDecodeStep(BucketedCaches):
         self.details.update(compiled_steps=s.compiled_steps, eager_steps=s.eager_steps, eager_seconds=s.eager_seconds,
                             misses=s.misses, direct_calls=self._trusted.direct_calls)
         return out
+
+    def _busy_seconds(self) -> float:
+        """Time this step has spent compiling, or waiting to compile: not part of any step's own time."""
+        return self.stats.compile_seconds + self.stats.gate_seconds
 
     def layer_forward(self, run: RegionRun, region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One decoder layer inside a decode step: its compiled graph, a compile on the side, or eager."""
@@ -307,8 +312,10 @@ class CompiledDecodeStep(BucketedCaches):
         try:
             # Other threads' patched calls end first and wait meanwhile (they would see is_compiling() True); the
             # clock starts once they have, so that the store keeps what compiling took.
+            queued = _clock()
             with COMPILE_GATE.compiling():
                 graphs_before, start = self.backend.graphs, _clock()
+                self.stats.gate_seconds += start - queued
                 compiled, scratch = self._compile_on_the_side(graphs, region, layer_cache, slot, args, kwargs, warm)
                 seconds = _clock() - start
         except Exception as exc:  # a missing compiler, an op inductor cannot lower, an attention it cannot trace

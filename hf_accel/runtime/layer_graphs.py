@@ -60,6 +60,7 @@ class CompileStats:
 
     graphs_compiled: int = 0
     compile_seconds: float = 0.0
+    gate_seconds: float = 0.0  # before compiling, waiting for other threads' calls to end (see compile_gate)
     compiled_steps: int = 0  # forwards whose every layer ran a compiled graph
     eager_steps: int = 0  # forwards with a layer whose shape class was not compiled (yet)
     eager_seconds: float = 0.0  # the time of those forwards: what running eagerly has cost so far

@@ -136,8 +136,6 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
             # rows by index or keep per-row state, so calling it one row at a time could change its answers.
             return Fallback(f"a {name} of your own with batch > 1 (the loop calls it one row at a time)",
                             one_row + ", or express it as a generation setting where one exists")
-    if bool((attention_mask[:, -1] == 0).any()):  # after the calls stock refuses, which get stock's error
-        return RIGHT_PADDED
     model._prepare_special_tokens(config, True, input_ids.device)
     # Each row's processors are built and called as a batch of one (the prompt row it came from, for
     # prefix_allowed_tokens_fn: stock numbers expanded rows by their prompt).
@@ -155,6 +153,8 @@ def plan_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call
     # checks them per row after each token, but the time once per step for the whole batch, as stock does.
     stopping = model._get_stopping_criteria(config, StoppingCriteriaList(extra["stopping_criteria"] or []),
                                             tokenizer=extra["tokenizer"])
+    if bool((attention_mask[:, -1] == 0).any()):  # last: a call stock refuses (as it builds these) gets its error
+        return RIGHT_PADDED
     return CallPlan(input_ids, attention_mask, config, processors, draft_processors, stopping, extra["streamer"],
                     max_new)
 
