@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +124,20 @@ class CompileGate:
 
 
 def is_tracing() -> bool:
-    """Whether this thread's code is being traced rather than run: by dynamo, or under make_fx's proxy mode
-    (non-strict ``torch.export``). Not ``torch.compiler.is_compiling()`` or ``is_exporting()``: torch holds those
-    True in every thread while any thread compiles or exports."""
-    return torch.compiler.is_dynamo_compiling() or get_proxy_mode() is not None
+    """Whether this thread's code is being traced rather than run: by dynamo, or by make_fx (AOT tracing, and
+    ``torch.export``'s default non-strict mode, which traces in pre-dispatch mode). Not
+    ``torch.compiler.is_compiling()`` or ``is_exporting()``: torch holds those True in every thread while any
+    thread compiles or exports."""
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    if torch._C._get_dispatch_mode(_PROXY) is not None:  # the dispatch mode stack is per thread
+        return True
+    # The pre-dispatch mode stack is process-wide; only the thread tracing has the PreDispatch key included.
+    return (torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PreDispatch)
+            and torch._ops._get_dispatch_mode_pre_dispatch(_PROXY) is not None)
+
+
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
 
 
 #: The process's gate: every patched model's calls and compiles go through it.

@@ -309,16 +309,18 @@ class CompiledDecodeStep(BucketedCaches):
         log = logger.warning if estimate >= 10 else logger.info
         log("hf_accel: compiling %s's decode step (%s; %s: about %.0f s)...", type(self.model).__name__, shape, why,
             estimate)
+        # Other threads' patched calls end first and wait meanwhile (they would see is_compiling() True); the
+        # clock starts once they have, so that the store keeps what compiling took.
+        queued, start = _clock(), None
         try:
-            # Other threads' patched calls end first and wait meanwhile (they would see is_compiling() True); the
-            # clock starts once they have, so that the store keeps what compiling took.
-            queued = _clock()
             with COMPILE_GATE.compiling():
                 graphs_before, start = self.backend.graphs, _clock()
                 self.stats.gate_seconds += start - queued
                 compiled, scratch = self._compile_on_the_side(graphs, region, layer_cache, slot, args, kwargs, warm)
                 seconds = _clock() - start
         except Exception as exc:  # a missing compiler, an op inductor cannot lower, an attention it cannot trace
+            if start is not None:  # a compile that failed took time too, not time lost running eagerly
+                self.stats.compile_seconds += _clock() - start
             self._fail(f"compiling {shape} raised {describe_failure(exc)}")
             return type(region.layer).forward(region.layer, *args, **kwargs)
         eager = type(region.layer).forward(region.layer, *args, **kwargs)  # over every slot: checks the graph's cut
