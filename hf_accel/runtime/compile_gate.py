@@ -123,6 +123,9 @@ class CompileGate:
             self._compiling = me
 
 
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+
+
 def is_tracing() -> bool:
     """Whether this thread's code is being traced rather than run: by dynamo, or by make_fx (AOT tracing, and
     ``torch.export``'s default non-strict mode, which traces in pre-dispatch mode). Not
@@ -135,9 +138,6 @@ def is_tracing() -> bool:
     # The pre-dispatch mode stack is process-wide; only the thread tracing has the PreDispatch key included.
     return (torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PreDispatch)
             and torch._ops._get_dispatch_mode_pre_dispatch(_PROXY) is not None)
-
-
-_PROXY = torch._C._TorchDispatchModeKey.PROXY
 
 
 #: The process's gate: every patched model's calls and compiles go through it.
