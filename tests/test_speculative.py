@@ -212,13 +212,19 @@ def test_uncovered_generation_modes_fall_back_to_stock(llama, caplog):
     assert "num_beams" in caplog.text
 
 
-def test_a_right_padded_batch_runs_stock_generate_and_says_to_pad_on_the_left(tiny_model, caplog):
-    ids, mask = left_padded_batch(tiny_model)
-    # The same rows padded on the right, as a tokenizer with padding_side="right" pads them: stock generate
-    # continues each row's positions from its last column, a pad's, where the loop counts the row's tokens.
+def right_padded_batch(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`left_padded_batch`'s rows padded on the right instead, as a tokenizer with padding_side="right"
+    pads them."""
+    ids, mask = left_padded_batch(model)
     shifts = [int(n) - mask.shape[1] for n in mask.sum(-1)]
-    ids = torch.stack([row.roll(shift) for row, shift in zip(ids, shifts)])
-    mask = torch.stack([row.roll(shift) for row, shift in zip(mask, shifts)])
+    return (torch.stack([row.roll(shift) for row, shift in zip(ids, shifts)]),
+            torch.stack([row.roll(shift) for row, shift in zip(mask, shifts)]))
+
+
+def test_a_right_padded_batch_runs_stock_generate_and_says_to_pad_on_the_left(tiny_model, caplog):
+    # Stock generate continues each row's positions from its last column, a pad's, where the loop counts the
+    # row's tokens.
+    ids, mask = right_padded_batch(tiny_model)
     expected = greedy(tiny_model, ids, mask, max_new_tokens=16)
     hf_accel.patch(tiny_model, compile=None, speculative="ngram")
     with caplog.at_level("WARNING", logger="hf_accel"):
@@ -228,8 +234,7 @@ def test_a_right_padded_batch_runs_stock_generate_and_says_to_pad_on_the_left(ti
 
 
 def test_a_right_padded_call_stock_refuses_gets_stocks_error_even_with_strict(llama):
-    ids, mask = left_padded_batch(llama)
-    ids, mask = ids.flip(-1), mask.flip(-1)  # padded on the right
+    ids, mask = right_padded_batch(llama)
     # Stock refuses stop strings without a tokenizer before it generates, and a min_p above 1 as it builds its
     # warpers.
     refused = (dict(do_sample=False, stop_strings=["x"]), dict(do_sample=True, min_p=2.0))
